@@ -1,0 +1,171 @@
+"""Eviction policies as data (DESIGN.md sections 2-4): a pytree of int32 scalars, so policies vmap.
+
+A `Policy` says which tokens stay (window, sinks, survivor stride, cap, block, overflow rule) and on
+which timeline attention sees them (its `mode`). Nothing here has a shape that depends on a
+parameter: capacities live in `rsqr_jax.cache.CacheSpec`, checked against the policy by `validate`
+before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODES = ("full", "window", "streamingllm", "leave_gaps", "rerotate", "replay", "rsqr", "rsqr_precompute")
+OVERFLOWS = ("fifo", "decimate")
+MODE_ID = {name: i for i, name in enumerate(MODES)}
+OVERFLOW_ID = {name: i for i, name in enumerate(OVERFLOWS)}
+FULL, WINDOW, STREAMINGLLM, LEAVE_GAPS, REROTATE, REPLAY, RSQR, RSQR_PRECOMPUTE = range(len(MODES))
+
+# "Keeps everything": a window no stream reaches (int32-safe even after adding a block).
+UNBOUNDED = 1 << 30
+
+
+class PolicyError(ValueError):
+    """An impossible policy (bad parameter, or one the cache capacity cannot hold)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One eviction policy, every field an int32 array (scalar, or [P] for a batch of policies).
+
+    mode: index into MODES. window W: the window keeps W..W+block-1 most recent tokens.
+    n_sink N: tokens 0..N-1 are kept forever. delta: every delta-th token leaving the window is kept
+    as a survivor (0: none). max_survivors: cap on non-sink survivors. block: eviction granularity.
+    overflow: index into OVERFLOWS (what to drop past the cap).
+    """
+
+    mode: jax.Array
+    window: jax.Array
+    n_sink: jax.Array
+    delta: jax.Array
+    max_survivors: jax.Array
+    block: jax.Array
+    overflow: jax.Array
+
+    @property
+    def name(self) -> str:
+        """Human-readable description of a single (unbatched, concrete) policy."""
+        v = {f.name: int(np.asarray(getattr(self, f.name))) for f in dataclasses.fields(self)}
+        mode = MODES[v["mode"]]
+        if mode == "full":
+            return "full"
+        if mode == "window":
+            return f"window(W={v['window']})"
+        parts = [f"W={v['window']}", f"N={v['n_sink']}"]
+        if v["delta"]:
+            parts += [f"delta={v['delta']}", f"S={v['max_survivors']}", OVERFLOWS[v["overflow"]]]
+        if v["block"] != 1:
+            parts.append(f"b={v['block']}")
+        return f"{mode}({', '.join(parts)})"
+
+    def host(self) -> dict:
+        """Field values as Python ints (single policy) or lists (batched)."""
+        return {f.name: np.asarray(getattr(self, f.name)).tolist() for f in dataclasses.fields(self)}
+
+
+def make_policy(
+    mode: str,
+    *,
+    window: int = 256,
+    n_sink: int = 4,
+    delta: int = 8,
+    max_survivors: int = 256,
+    block: int = 1,
+    overflow: str = "fifo",
+) -> Policy:
+    """Build and check one policy. full/window/streamingllm force the parameters their name implies.
+
+    full: keeps everything (no eviction). window: last W tokens, no sinks, no survivors.
+    streamingllm: sinks + window (delta = 0). The others use every parameter as given.
+    """
+    if mode not in MODE_ID:
+        raise PolicyError(f"unknown policy {mode!r}: choose one of {', '.join(MODES)}")
+    if overflow not in OVERFLOW_ID:
+        raise PolicyError(f"unknown overflow rule {overflow!r}: choose fifo or decimate")
+    for name, value in (("window", window), ("n_sink", n_sink), ("delta", delta),
+                        ("max_survivors", max_survivors), ("block", block)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise PolicyError(f"{name} must be an integer, got {value!r}")
+    if mode == "full":
+        window, n_sink, delta, max_survivors, block = UNBOUNDED, 0, 0, 0, 1
+    elif mode == "window":
+        n_sink, delta, max_survivors = 0, 0, 0
+    elif mode == "streamingllm":
+        delta, max_survivors = 0, 0
+    if delta == 0:
+        max_survivors = 0
+    if window < 1:
+        raise PolicyError(f"window must be >= 1, got {window}")
+    if n_sink < 0:
+        raise PolicyError(f"n_sink must be >= 0, got {n_sink}")
+    if delta < 0:
+        raise PolicyError(f"delta must be >= 0 (0 = no survivors), got {delta}")
+    if max_survivors < 0 or (delta > 0 and max_survivors < 1):
+        raise PolicyError(f"max_survivors must be >= 1 when delta > 0, got {max_survivors}")
+    if block < 1:
+        raise PolicyError(f"block must be >= 1, got {block}")
+    if mode != "full" and window >= UNBOUNDED:
+        raise PolicyError(f"window must be < {UNBOUNDED}")
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return Policy(i32(MODE_ID[mode]), i32(window), i32(n_sink), i32(delta), i32(max_survivors), i32(block),
+                  i32(OVERFLOW_ID[overflow]))
+
+
+def full() -> Policy:
+    return make_policy("full")
+
+
+def window(window: int = 256, *, block: int = 1) -> Policy:
+    return make_policy("window", window=window, block=block)
+
+
+def streamingllm(window: int = 256, n_sink: int = 4, *, block: int = 1) -> Policy:
+    return make_policy("streamingllm", window=window, n_sink=n_sink, block=block)
+
+
+def leave_gaps(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+    return make_policy("leave_gaps", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+                       block=block, overflow=overflow)
+
+
+def rerotate(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+    return make_policy("rerotate", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+                       block=block, overflow=overflow)
+
+
+def replay(window=256, n_sink=4, delta=8, max_survivors=256, block=8, overflow="fifo") -> Policy:
+    return make_policy("replay", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+                       block=block, overflow=overflow)
+
+
+def rsqr(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+    return make_policy("rsqr", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+                       block=block, overflow=overflow)
+
+
+def rsqr_precompute(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+    return make_policy("rsqr_precompute", window=window, n_sink=n_sink, delta=delta,
+                       max_survivors=max_survivors, block=block, overflow=overflow)
+
+
+def stack_policies(policies: list[Policy]) -> Policy:
+    """A batch of policies with a leading policy axis [P] (modes may be mixed)."""
+    if not policies:
+        raise PolicyError("empty list of policies")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *policies)
+
+
+def unstack_policies(batch: Policy) -> list[Policy]:
+    n = int(np.asarray(batch.mode).shape[0])
+    return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(n)]
+
+
+def policy_size(policy: Policy) -> int | None:
+    """Number of policies in a batch, or None for a single policy."""
+    shape = np.shape(policy.mode)
+    return None if shape == () else int(shape[0])

@@ -1,0 +1,106 @@
+"""Streaming loops: one jitted step per chunk, token-by-token NLL scans, and generation.
+
+The loops take the model's pure apply function `apply_fn(params, tokens_BxC, cache, plan) ->
+(logits_BxCxV, cache)` as an argument; they never import a model. `replay` lives here because its
+consolidation is a forward pass of the model over the cached token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rsqr_jax import policy as P
+from rsqr_jax.cache import CacheSpec, KVCache, init_cache, plan_step
+from rsqr_jax.policy import Policy
+from rsqr_jax.sampling import sample
+
+ApplyFn = Callable  # (params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache)
+
+
+def _replay(apply_fn, params, cache: KVCache, plan, tokens_BxC):
+    """Consolidation: recompute K/V of every cached token by a forward pass over the cached ids at their
+    ranks 0..n-1 (fresh full-attention cache), scatter them back, and take this chunk's logits from it."""
+    L, B, H, Wc, D = cache.ring_k.shape
+    S = cache.surv_k.shape[3]
+    n_cap = Wc + S
+    ring_in = plan.ring_rank >= 0
+    surv_att = plan.surv_valid
+    ids = jnp.zeros((B, n_cap), jnp.int32)
+    ids = ids.at[:, jnp.where(ring_in, plan.ring_rank, n_cap)].set(cache.ring_tok, mode="drop")
+    if S:
+        ids = ids.at[:, jnp.where(surv_att, plan.surv_rank, n_cap)].set(cache.surv_tok, mode="drop")
+    n_cached = jnp.sum(ring_in) + jnp.sum(surv_att)
+    spec = CacheSpec(L, B, H, D, n_cap, 0, str(cache.ring_k.dtype), max_chunk=n_cap)
+    fresh = init_cache(spec)
+    full = P.full()
+    logits_all, fresh = apply_fn(params, ids, fresh, plan_step(fresh, full, n_cap, n_cached))
+
+    def take(dst, mask, rank):
+        src = jnp.take(fresh_kv, jnp.clip(rank, 0, n_cap - 1), axis=3)
+        return jnp.where(mask[:, None], src, dst)
+
+    fresh_kv = fresh.ring_k
+    ring_k = take(cache.ring_k, ring_in, plan.ring_rank)
+    surv_k = take(cache.surv_k, plan.surv_rank >= 0, plan.surv_rank) if S else cache.surv_k
+    fresh_kv = fresh.ring_v
+    ring_v = take(cache.ring_v, ring_in, plan.ring_rank)
+    surv_v = take(cache.surv_v, plan.surv_rank >= 0, plan.surv_rank) if S else cache.surv_v
+    logits = jnp.take(logits_all, jnp.clip(plan.q_rank, 0, n_cap - 1), axis=1)
+    return logits, cache.replace(ring_k=ring_k, ring_v=ring_v, surv_k=surv_k, surv_v=surv_v)
+
+
+def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
+         n_valid: jax.Array | int | None = None) -> tuple[jax.Array, KVCache]:
+    """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache."""
+    C = tokens_BxC.shape[1]
+    plan = plan_step(cache, policy, C, n_valid)
+    if cache.ring_tok.shape[1]:
+        cache = cache.replace(ring_tok=cache.ring_tok.at[:, plan.ring_slot].set(tokens_BxC, mode="drop"))
+    if cache.surv_tok.shape[1]:
+        cache = cache.replace(surv_tok=cache.surv_tok.at[:, plan.surv_slot].set(tokens_BxC, mode="drop"))
+
+    def normal(cache):
+        return apply_fn(params, tokens_BxC, cache, plan)
+
+    if cache.ring_tok.shape[1]:
+        logits, cache = jax.lax.cond(plan.replay_event, lambda c: _replay(apply_fn, params, c, plan, tokens_BxC),
+                                     normal, cache)
+    else:
+        logits, cache = normal(cache)
+    return logits, cache.replace(**plan.next_state)
+
+
+def nll_scan(apply_fn: ApplyFn, params, cache: KVCache, policy: Policy, tokens_KxBxC: jax.Array,
+             targets_KxBxC: jax.Array, n_valid_K: jax.Array) -> tuple[KVCache, jax.Array]:
+    """Stream K chunks under lax.scan; returns the cache and the NLL [K, B, C] of each target token."""
+
+    def body(cache, xs):
+        tokens, targets, n_valid = xs
+        logits, cache = step(apply_fn, params, tokens, cache, policy, n_valid)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        return cache, nll
+
+    return jax.lax.scan(body, cache, (tokens_KxBxC, targets_KxBxC, n_valid_K))
+
+
+@dataclasses.dataclass
+class SamplerState:
+    """Host-visible sampler state; the rng key is what makes a resumed session bit-identical."""
+
+    rng: jax.Array
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+def decode_and_sample(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
+                      n_valid: jax.Array, rng: jax.Array, temperature: jax.Array, top_p: jax.Array):
+    """One chunk step followed by sampling the token after the last real one: (next_B, cache, rng)."""
+    logits, cache = step(apply_fn, params, tokens_BxC, cache, policy, n_valid)
+    rng, sub = jax.random.split(rng)
+    last = jnp.take(logits, jnp.maximum(n_valid - 1, 0), axis=1)
+    return sample(last, sub, temperature, top_p), cache, rng
