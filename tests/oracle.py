@@ -1,0 +1,92 @@
+"""Independent references for the policy tests: a pure-Python model of DESIGN section 3 (which tokens
+stay) and a float64 numpy model forward that attends over a given token set on the rank or global
+timeline. Nothing here imports rsqr_jax: these are what the library is checked against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def reference_token_sets(T, *, window, n_sink, delta, max_survivors, block, overflow="fifo", chunk=1,
+                         keep_all=False):
+    """List of (n_processed, sorted cached global positions) after each step of `chunk` tokens."""
+    if keep_all:
+        return [(n, list(range(n))) for n in range(chunk, T + chunk, chunk) if n <= T] or []
+    survivors: list[int] = []
+    count, n, out = 0, 0, []
+    while n < T:
+        c = min(chunk, T - n)
+        leaving: list[int] = []
+        for g in range(n, n + c):
+            count += 1
+            if count == window + block:
+                oldest = g - count + 1
+                leaving.extend(range(oldest, oldest + block))
+                count -= block
+        n += c
+        for g in leaving:
+            if g >= n_sink and delta > 0 and (g - n_sink) % delta == delta - 1:
+                survivors.append(g)
+        if len(survivors) > max_survivors:
+            if overflow == "decimate":
+                survivors = survivors[0::2]
+            while len(survivors) > max_survivors:
+                survivors.pop(0)
+        w0 = n - count
+        cached = set(range(min(n_sink, n))) | set(survivors) | set(range(w0, n))
+        out.append((n, sorted(cached)))
+    return out
+
+
+def _rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _rope(x_HxD, pos, inv_freq):
+    half = x_HxD.shape[-1] // 2
+    ang = float(pos) * inv_freq.astype(np.float64)
+    c, s = np.cos(ang), np.sin(ang)
+    x1, x2 = x_HxD[..., :half], x_HxD[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def stream_logits_f64(weights, cfg, tokens, token_sets, semantics):
+    """float64 logits [T, V] of a single sequence streamed token by token.
+
+    token_sets[t] = cached global positions after token t (must contain t). semantics 'rank': a cached
+    token sits at its rank in that set and the query at its own rank; 'global': both at global positions.
+    Raw K/V of a token are computed once, when it is processed (no consolidation).
+    """
+    w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    L, Hq, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    G = Hq // Hkv
+    inv_freq = np.asarray(cfg.inv_freq, np.float64)
+    raw_k = [dict() for _ in range(L)]
+    raw_v = [dict() for _ in range(L)]
+    head = w["embed"].T if "lm_head" not in w else w["lm_head"]
+    out = []
+    for t, tok in enumerate(tokens):
+        cached = sorted(token_sets[t])
+        assert cached[-1] == t
+        pos_of = {g: (i if semantics == "rank" else g) for i, g in enumerate(cached)}
+        x = w["embed"][tok]
+        for l in range(L):
+            h = _rms(x, w["attn_norm"][l], cfg.rms_norm_eps)
+            q, k, v = h @ w["wq"][l], h @ w["wk"][l], h @ w["wv"][l]
+            if cfg.attention_bias:
+                q, k, v = q + w["bq"][l], k + w["bk"][l], v + w["bv"][l]
+            raw_k[l][t], raw_v[l][t] = k.reshape(Hkv, D), v.reshape(Hkv, D)
+            qr = _rope(q.reshape(Hq, D), pos_of[t], inv_freq)
+            K = np.stack([_rope(raw_k[l][g], pos_of[g], inv_freq) for g in cached], axis=1)  # [Hkv, n, D]
+            V = np.stack([raw_v[l][g] for g in cached], axis=1)
+            att = np.empty((Hq, D))
+            for hq in range(Hq):
+                s = K[hq // G] @ qr[hq] / np.sqrt(D)
+                p = np.exp(s - s.max())
+                att[hq] = (p / p.sum()) @ V[hq // G]
+            x = x + att.reshape(-1) @ w["wo"][l]
+            h = _rms(x, w["mlp_norm"][l], cfg.rms_norm_eps)
+            g_ = h @ w["w_gate"][l]
+            x = x + ((g_ / (1 + np.exp(-g_))) * (h @ w["w_up"][l])) @ w["w_down"][l]
+        out.append(_rms(x, w["final_norm"], cfg.rms_norm_eps) @ head)
+    return np.stack(out)
