@@ -104,3 +104,70 @@ def decode_and_sample(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: K
     rng, sub = jax.random.split(rng)
     last = jnp.take(logits, jnp.maximum(n_valid - 1, 0), axis=1)
     return sample(last, sub, temperature, top_p), cache, rng
+
+
+def stream_nll(apply_fn: ApplyFn, params, tokens_BxT, policy: Policy, spec: CacheSpec, *, chunk: int = 1,
+               segment: int = 256, progress=None, vmap_policies: bool = False, cache: KVCache | None = None):
+    """Per-token NLL [B, T-1] (float32 numpy) of streaming tokens_BxT through the cache under `policy`.
+
+    Token t+1 is scored from the logits at t. The stream runs in jitted segments of `segment` tokens
+    (one `lax.scan` of chunk steps each; the last one padded with n_valid = 0 chunks), so a stream of
+    any length compiles once. With vmap_policies, `policy` carries a leading [P] axis and the result
+    is [P, B, T-1] (weights shared, not copied). `progress(n_tokens_done)` is called per segment.
+    """
+    import numpy as np
+
+    from rsqr_jax.cache import validate
+
+    validate(policy, spec, chunk=chunk)
+    tokens = np.asarray(tokens_BxT, dtype=np.int32)
+    B, T = tokens.shape
+    if B != spec.batch:
+        raise ValueError(f"tokens have batch {B} but the cache spec has batch {spec.batch}")
+    n_pred = T - 1
+    if segment % chunk:
+        raise ValueError(f"segment {segment} must be a multiple of chunk {chunk}")
+    if P.FULL in np.atleast_1d(np.asarray(policy.mode)) and T > spec.ring_capacity:
+        raise ValueError(f"full attention over {T} tokens needs ring capacity >= {T} (has {spec.ring_capacity})")
+    K = segment // chunk
+    n_seg = -(-n_pred // segment)
+    pad = n_seg * segment - n_pred
+    inputs = np.concatenate([tokens[:, :-1], np.zeros((B, pad), np.int32)], axis=1)
+    targets = np.concatenate([tokens[:, 1:], np.zeros((B, pad), np.int32)], axis=1)
+    valid = np.concatenate([np.ones(n_pred, np.int32), np.zeros(pad, np.int32)]).reshape(n_seg, K, chunk).sum(-1)
+
+    def to_KxBxC(x, s):
+        return jnp.asarray(x[:, s * segment:(s + 1) * segment].reshape(B, K, chunk).transpose(1, 0, 2))
+
+    run = _segment_runner(apply_fn, vmap_policies)
+    if cache is None:
+        cache = init_cache(spec)
+        if vmap_policies:
+            n_pol = int(np.asarray(policy.mode).shape[0])
+            cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (n_pol,) + x.shape), cache)
+    out = []
+    for s in range(n_seg):
+        cache, nll = run(params, cache, policy, to_KxBxC(inputs, s), to_KxBxC(targets, s), jnp.asarray(valid[s]))
+        out.append(np.asarray(nll))
+        if progress is not None:
+            progress(min((s + 1) * segment, n_pred))
+    nll = np.concatenate(out, axis=-3)  # [..., n_seg*K, B, C]
+    nll = np.moveaxis(nll, -2, -3)  # [..., B, n_seg*K, C]
+    nll = nll.reshape(nll.shape[:-2] + (-1,))[..., :n_pred]
+    return nll, cache
+
+
+_RUNNERS: dict = {}
+
+
+def _segment_runner(apply_fn, vmap_policies: bool):
+    """One jitted segment function per apply_fn (cache donated so it is updated in place)."""
+    key = (apply_fn, vmap_policies)
+    if key not in _RUNNERS:
+        def seg(params, cache, policy, tok, tgt, valid):
+            return nll_scan(apply_fn, params, cache, policy, tok, tgt, valid)
+
+        if vmap_policies:
+            seg = jax.vmap(seg, in_axes=(None, 0, 0, None, None, None))
+        _RUNNERS[key] = jax.jit(seg, donate_argnums=(1,))
+    return _RUNNERS[key]
