@@ -107,13 +107,16 @@ def decode_and_sample(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: K
 
 
 def stream_nll(apply_fn: ApplyFn, params, tokens_BxT, policy: Policy, spec: CacheSpec, *, chunk: int = 1,
-               segment: int = 256, progress=None, vmap_policies: bool = False, cache: KVCache | None = None):
+               segment: int = 256, progress=None, vmap_policies: bool = False, cache: KVCache | None = None,
+               out_shardings=None):
     """Per-token NLL [B, T-1] (float32 numpy) of streaming tokens_BxT through the cache under `policy`.
 
     Token t+1 is scored from the logits at t. The stream runs in jitted segments of `segment` tokens
     (one `lax.scan` of chunk steps each; the last one padded with n_valid = 0 chunks), so a stream of
     any length compiles once. With vmap_policies, `policy` carries a leading [P] axis and the result
     is [P, B, T-1] (weights shared, not copied). `progress(n_tokens_done)` is called per segment.
+    `cache` starts from a given (e.g. pre-sharded) cache; `out_shardings` = (cache shardings pytree,
+    nll sharding) pins the segment function's outputs (rsqr_jax.sweep uses both to shard a sweep).
     """
     import numpy as np
 
@@ -137,9 +140,9 @@ def stream_nll(apply_fn: ApplyFn, params, tokens_BxT, policy: Policy, spec: Cach
     valid = np.concatenate([np.ones(n_pred, np.int32), np.zeros(pad, np.int32)]).reshape(n_seg, K, chunk).sum(-1)
 
     def to_KxBxC(x, s):
-        return jnp.asarray(x[:, s * segment:(s + 1) * segment].reshape(B, K, chunk).transpose(1, 0, 2))
+        return np.ascontiguousarray(x[:, s * segment:(s + 1) * segment].reshape(B, K, chunk).transpose(1, 0, 2))
 
-    run = _segment_runner(apply_fn, vmap_policies)
+    run = _segment_runner(apply_fn, vmap_policies, out_shardings)
     if cache is None:
         cache = init_cache(spec)
         if vmap_policies:
@@ -160,14 +163,15 @@ def stream_nll(apply_fn: ApplyFn, params, tokens_BxT, policy: Policy, spec: Cach
 _RUNNERS: dict = {}
 
 
-def _segment_runner(apply_fn, vmap_policies: bool):
+def _segment_runner(apply_fn, vmap_policies: bool, out_shardings=None):
     """One jitted segment function per apply_fn (cache donated so it is updated in place)."""
-    key = (apply_fn, vmap_policies)
+    key = (apply_fn, vmap_policies, out_shardings)
     if key not in _RUNNERS:
         def seg(params, cache, policy, tok, tgt, valid):
             return nll_scan(apply_fn, params, cache, policy, tok, tgt, valid)
 
         if vmap_policies:
             seg = jax.vmap(seg, in_axes=(None, 0, 0, None, None, None))
-        _RUNNERS[key] = jax.jit(seg, donate_argnums=(1,))
+        kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+        _RUNNERS[key] = jax.jit(seg, donate_argnums=(1,), **kw)
     return _RUNNERS[key]

@@ -1,0 +1,89 @@
+"""Shared command-line plumbing for the scripts: argument groups, policy/model construction, and the
+one-line-error contract (bad input -> one line on stderr, exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "frankenstein.txt"
+
+
+class UsageError(Exception):
+    """Bad user input: reported as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of usage + error."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr") -> None:
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", default=default_policy,
+                   help="full, window, streamingllm, leave_gaps, rerotate, replay, rsqr, rsqr_precompute")
+    g.add_argument("--window", type=int, default=256, help="window W (keeps W..W+block-1 recent tokens)")
+    g.add_argument("--sinks", type=int, default=4, help="attention sinks N")
+    g.add_argument("--delta", type=int, default=8, help="survivor stride (0 = no survivors)")
+    g.add_argument("--max-survivors", type=int, default=64, help="cap on non-sink survivors")
+    g.add_argument("--block", type=int, default=1, help="eviction block size")
+    g.add_argument("--overflow", default="fifo", help="fifo or decimate")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    g.add_argument("--kernel", default="auto", help="attention kernel: xla, pallas, auto (pallas on GPU)")
+
+
+def policy_from_args(args):
+    from rsqr_jax.policy import make_policy
+
+    return make_policy(args.policy, window=args.window, n_sink=args.sinks, delta=args.delta,
+                       max_survivors=args.max_survivors, block=args.block, overflow=args.overflow)
+
+
+def check_model_args(args) -> None:
+    if args.dtype not in ("float32", "bfloat16"):
+        raise UsageError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    if args.kernel not in ("xla", "pallas", "auto"):
+        raise UsageError(f"--kernel must be xla, pallas or auto, got {args.kernel!r}")
+    if args.model is not None and not os.path.exists(args.model):
+        raise UsageError(f"model not found: {args.model}")
+
+
+def load_model_from_args(args):
+    from models.llama import load_model, split_apply
+
+    loaded = load_model(args.model, args.dtype)
+    apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
+    return loaded, apply_fn, params
+
+
+def status(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_main(main) -> None:
+    """Run main(); map user errors to one line on stderr and exit code 2."""
+    from models.config import ModelLoadError
+    from rsqr_jax.policy import PolicyError
+
+    prog = Path(sys.argv[0]).name
+    try:
+        code = main()
+    except (UsageError, PolicyError, ModelLoadError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

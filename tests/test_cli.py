@@ -1,0 +1,105 @@
+"""The command-line contract: bad input -> one line on stderr and exit code 2; the real model answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(script: str, *args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
+                          input=stdin, timeout=timeout, cwd=REPO)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert fragment in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("script", ["decode.py", "eval_stream.py"])
+def test_unknown_policy(script):
+    assert_one_line_error(run(script, "--policy", "sinkcache"), "unknown policy 'sinkcache'")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be positive"),
+    (["--max-new-tokens", "many"], "invalid int value"),
+    (["--window", "0"], "window must be >= 1"),
+    (["--delta", "-1"], "delta must be >= 0"),
+    (["--overflow", "lifo"], "unknown overflow rule"),
+    (["--dtype", "float16"], "--dtype must be float32 or bfloat16"),
+    (["--model", "/nonexistent/model.gguf"], "model not found"),
+    (["--prompt", "hi", "--prompt-file", "x"], "not both"),
+])
+def test_decode_bad_flags(args, fragment):
+    assert_one_line_error(run("decode.py", *args), fragment)
+
+
+def test_decode_empty_prompt_file(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    assert_one_line_error(run("decode.py", "--prompt-file", str(empty)), "is empty")
+    assert_one_line_error(run("decode.py", "--prompt-file", str(tmp_path / "missing.txt")), "cannot read prompt file")
+
+
+def test_eval_bad_input(tmp_path):
+    assert_one_line_error(run("eval_stream.py", "--text", str(tmp_path / "none.txt")), "text file not found")
+    assert_one_line_error(run("eval_stream.py", "--tokens", "1"), "--tokens must be >= 2")
+
+
+def test_truncated_model_file(tmp_path, smollm2_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    assert_one_line_error(run("decode.py", "--model", str(cut), "--prompt", "hi"), "cut.gguf")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    proc = run("decode.py", "--model", str(tmp_path), "--prompt", "hi")
+    assert_one_line_error(proc, "mamba")
+
+
+@pytest.mark.slow
+def test_full_policy_answers_paris(smollm2_path):
+    proc = run("decode.py", "--policy", "full", "--chat", "--prompt", "What is the capital of France?",
+               "--max-new-tokens", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert "Paris" in result["text"]
+    for key in ("text", "n_prompt_tokens", "n_generated", "tokens_per_s", "prefill_s", "cache_bytes", "policy"):
+        assert key in result
+    assert result["policy"] == "full" and result["n_generated"] <= 16
+
+
+@pytest.mark.slow
+def test_demo_session_outgrows_the_cache(smollm2_path):
+    proc = run("decode.py", "--max-new-tokens", "24", "--window", "64", "--max-survivors", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["policy"] == "rsqr"
+    assert len(result["replies"]) >= 5
+    budget = 64 + 4 + 8
+    assert result["session_tokens"] > 3 * budget
+
+
+@pytest.mark.slow
+def test_full_perplexity_matches_hf_reference(smollm2_path):
+    # DESIGN section 9: HF transformers, float32, full attention: first 512 tokens of Frankenstein -> 38.98.
+    proc = run("eval_stream.py", "--policy", "full", "--tokens", "512", "--chunk", "256", "--json", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert abs(result["ppl"] / 38.98 - 1) < 0.005
+    assert result["n_tokens"] == 512 and result["cache_bytes"]["total"] > 0
