@@ -21,7 +21,7 @@ from rsqr_jax.sampling import sample
 ApplyFn = Callable  # (params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache)
 
 
-def _replay(apply_fn, params, cache: KVCache, plan, tokens_BxC):
+def _replay(apply_fn, params, cache: KVCache, plan):
     """Consolidation: recompute K/V of every cached token by a forward pass over the cached ids at their
     ranks 0..n-1 (fresh full-attention cache), scatter them back, and take this chunk's logits from it."""
     L, B, H, Wc, D = cache.ring_k.shape
@@ -39,16 +39,16 @@ def _replay(apply_fn, params, cache: KVCache, plan, tokens_BxC):
     full = P.full()
     logits_all, fresh = apply_fn(params, ids, fresh, plan_step(fresh, full, n_cap, n_cached))
 
-    def take(dst, mask, rank):
+    def gather(fresh_kv, dst, mask, rank):
+        """dst with the entries in `mask` replaced by the fresh K or V of the token at `rank`."""
         src = jnp.take(fresh_kv, jnp.clip(rank, 0, n_cap - 1), axis=3)
         return jnp.where(mask[:, None], src, dst)
 
-    fresh_kv = fresh.ring_k
-    ring_k = take(cache.ring_k, ring_in, plan.ring_rank)
-    surv_k = take(cache.surv_k, plan.surv_rank >= 0, plan.surv_rank) if S else cache.surv_k
-    fresh_kv = fresh.ring_v
-    ring_v = take(cache.ring_v, ring_in, plan.ring_rank)
-    surv_v = take(cache.surv_v, plan.surv_rank >= 0, plan.surv_rank) if S else cache.surv_v
+    surv_live = plan.surv_rank >= 0
+    ring_k = gather(fresh.ring_k, cache.ring_k, ring_in, plan.ring_rank)
+    ring_v = gather(fresh.ring_v, cache.ring_v, ring_in, plan.ring_rank)
+    surv_k = gather(fresh.ring_k, cache.surv_k, surv_live, plan.surv_rank) if S else cache.surv_k
+    surv_v = gather(fresh.ring_v, cache.surv_v, surv_live, plan.surv_rank) if S else cache.surv_v
     logits = jnp.take(logits_all, jnp.clip(plan.q_rank, 0, n_cap - 1), axis=1)
     return logits, cache.replace(ring_k=ring_k, ring_v=ring_v, surv_k=surv_k, surv_v=surv_v)
 
@@ -67,7 +67,7 @@ def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, polic
         return apply_fn(params, tokens_BxC, cache, plan)
 
     if cache.ring_tok.shape[1]:
-        logits, cache = jax.lax.cond(plan.replay_event, lambda c: _replay(apply_fn, params, c, plan, tokens_BxC),
+        logits, cache = jax.lax.cond(plan.replay_event, lambda c: _replay(apply_fn, params, c, plan),
                                      normal, cache)
     else:
         logits, cache = normal(cache)
