@@ -5,6 +5,7 @@ from pallas_kernels.survivor_attention import (
     MASK_VALUE,
     survivor_attention,
     survivor_attention_reference,
+    survivor_attention_xla,
 )
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "MASK_VALUE",
     "survivor_attention",
     "survivor_attention_reference",
+    "survivor_attention_xla",
 ]

@@ -13,14 +13,30 @@
 * inv_freq [D/2] float32. Angles are reduced exactly (pallas_kernels.rope) when it is concrete.
 * Returns [B, C, Hq, D] in q's dtype; scale defaults to D ** -0.5. A row with no visible key
   (both segments empty) returns zeros, never NaN.
+
+Three implementations of it live here: `survivor_attention_reference` (pure jnp, simple: the
+semantics), `survivor_attention` (the Pallas kernel: compiled on GPU, interpreted on CPU) and
+`survivor_attention_xla` (plain XLA tuned for CPU). docs/kernel.md describes the kernel.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
 
-from pallas_kernels.rope import rope_cos_sin, rotate_half_split
+from pallas_kernels.rope import (
+    _is_concrete,
+    _mulhi_u32,
+    angles_from_words,
+    rope_cos_sin,
+    rotate_half_split,
+    turn_words,
+)
 
 # Finite mask value (as in jax.experimental.pallas.ops): -inf would turn fully masked rows into NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -80,7 +96,8 @@ def survivor_attention_reference(
 #     the halves read with separate ref slices (no value slicing or concatenation in the kernel).
 #   * A key block none of whose keys is visible to any row of the program is skipped by lax.cond
 #     (its K/V are not even loaded): empty ring capacity, invalid survivor slots, and window blocks in
-#     the causal future of a chunk cost only their positions.
+#     the causal future of a chunk cost only their positions (skip_empty_blocks=True, the default;
+#     False keeps the loop body branch-free for Triton's software pipelining - to be measured on GPU).
 #   * Each split writes unnormalised (o, m, l); the wrapper merges the splits by log-sum-exp.
 #
 # Lowering constraints that shaped it (Pallas Triton backend):
@@ -96,19 +113,12 @@ def survivor_attention_reference(
 #     backend-specific knobs live in `_compiler_params` alone.
 #   * segments enter as whole-array blocks and the kernel indexes tiles itself, so W and S need only be
 #     multiples of the key block (they are padded in the wrapper otherwise, which costs a copy of that
-#     segment: allocate cache capacities as multiples of 16 * 2^k to keep the call copy-free).
+#     segment: capacities above block_k that are multiples of block_k / 4 - 32 by default - are used
+#     in place, see _key_block).
 # Dots run in the KV storage dtype (bfloat16 K/V -> bfloat16 operands, rotated survivor keys rounded
 # to bfloat16 once after their float32 rotation, float32 accumulation; float32 K/V -> float32 operands
 # at HIGHEST precision, IEEE on Triton).
 # ----------------------------------------------------------------------------------------------------
-
-import functools  # noqa: E402
-
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-
-from pallas_kernels.rope import _is_concrete, angles_from_words, turn_words  # noqa: E402
 
 _MIN_BLOCK = 16  # Triton: dot operands need every dimension >= 16
 
@@ -159,7 +169,7 @@ def _survivor_attention_kernel(
     sk_ref, sv_ref, spos_ref, svalid_ref,  # [Sp, D] raw, [Sp, D], [Sp] int32, [Sp] int32 (0/1)
     freq_ref,  # [2, D/2] uint32 turn words (exact) or [1, D/2] float32 inv_freq
     o_ref, m_ref, l_ref,  # [R, D] float32 (unnormalised), [R], [R] float32
-    *, scale, block_w, block_s, n_blocks_w, n_blocks_s, per_split_w, per_split_s, exact, precision,
+    *, scale, block_w, block_s, n_blocks_w, n_blocks_s, per_split_w, per_split_s, exact, precision, skip_empty,
 ):
     R, D = qw_ref.shape
     F = D // 2
@@ -195,6 +205,8 @@ def _survivor_attention_kernel(
             mask = (wpos[None, :] >= 0) & (wpos[None, :] <= qpos[:, None])
             return update(carry, dot_nt(qw, k) * scale, mask, v)
 
+        if not skip_empty:
+            return compute(carry)
         return lax.cond(jnp.max(live.astype(jnp.int32)) > 0, compute, lambda c: c, carry)
 
     q1 = qs_ref[:, pl.ds(0, F)]
@@ -221,6 +233,8 @@ def _survivor_attention_kernel(
             mask = jnp.broadcast_to(valid[None, :], s.shape)
             return update(carry, s, mask, v)
 
+        if not skip_empty:
+            return compute(carry)
         return lax.cond(jnp.max(valid.astype(jnp.int32)) > 0, compute, lambda c: c, carry)
 
     carry = (jnp.zeros((R, D), f32), jnp.full((R,), MASK_VALUE, f32), jnp.zeros((R,), f32))
@@ -243,11 +257,11 @@ def _query_angles(pos, freq, exact):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "block_k", "block_q", "num_splits", "exact", "num_warps",
-                     "num_stages"),
+                     "num_stages", "skip_empty"),
 )
 def _survivor_attention_parts(
     q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq,
-    *, scale, interpret, block_k, block_q, num_splits, exact, num_warps, num_stages,
+    *, scale, interpret, block_k, block_q, num_splits, exact, num_warps, num_stages, skip_empty=True,
 ):
     """Runs the kernel; returns the per-split (o, m, l) and the row bookkeeping needed to merge them."""
     B, C, Hq, D = q.shape
@@ -302,6 +316,7 @@ def _survivor_attention_parts(
         _survivor_attention_kernel, scale=scale, block_w=block_w, block_s=block_s,
         n_blocks_w=n_blocks_w, n_blocks_s=n_blocks_s, per_split_w=per_split_w, per_split_s=per_split_s,
         exact=exact, precision=lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None,
+        skip_empty=skip_empty,
     )
     rows_spec = pl.BlockSpec((None, None, R, D), lambda b, h, r, j: (b, h, r, 0))
     o, m, l = pl.pallas_call(
@@ -358,7 +373,7 @@ def _angle_input(inv_freq, exact_angles):
 def survivor_attention(
     q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
     *, scale=None, interpret=None, block_k=128, block_q=64, num_splits=None, exact_angles=None,
-    num_warps=None, num_stages=2,
+    num_warps=None, num_stages=2, skip_empty_blocks=True,
 ):
     """Fused two-segment attention (the contract in the module docstring) as a Pallas kernel.
 
@@ -369,6 +384,8 @@ def survivor_attention(
       pos * inv_freq (absolute angle error <= ~pos * 2^-23 rad: ~1e-4 rad at logical positions of
       ~1e3, which is where survivors live; global window positions only touch the query, rotated in
       the wrapper). interpret: None = interpret on CPU, compile (Pallas Triton) on GPU.
+      skip_empty_blocks: skip (lax.cond) key blocks nobody can see; False keeps the loop body
+      branch-free, which lets Triton software-pipeline the K/V loads (num_stages) - a GPU tuning knob.
     """
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
@@ -380,7 +397,7 @@ def survivor_attention(
     o, m, l = _survivor_attention_parts(
         q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq,
         scale=scale, interpret=bool(interpret), block_k=block_k, block_q=block_q, num_splits=num_splits,
-        exact=exact, num_warps=num_warps, num_stages=num_stages,
+        exact=exact, num_warps=num_warps, num_stages=num_stages, skip_empty=bool(skip_empty_blocks),
     )
     G = Hq // Hkv
     out = _merge_splits(o, m, l)[:, :, : C * G]  # [B, Hkv, C*G, D]
@@ -399,8 +416,6 @@ def survivor_attention(
 # elementwise integer / float ops that XLA fuses and vectorises with the rotation. Segments are kept
 # separate (two partial softmaxes merged by log-sum-exp) instead of concatenating the scores.
 # ----------------------------------------------------------------------------------------------------
-
-from pallas_kernels.rope import _mulhi_u32  # noqa: E402
 
 # Cephes sinf / cosf minimax coefficients on [-pi/4, pi/4] (about 1 ulp in float32).
 _S1, _S2, _S3 = -1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4
