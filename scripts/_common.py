@@ -41,7 +41,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    g.add_argument("--kernel", default="auto", help="attention kernel: xla, pallas, auto (pallas on GPU)")
+    g.add_argument("--kernel", default="auto",
+                   help="attention kernel: xla, pallas, auto (pallas on GPU, xla on CPU), reference")
 
 
 def policy_from_args(args):
@@ -54,10 +55,38 @@ def policy_from_args(args):
 def check_model_args(args) -> None:
     if args.dtype not in ("float32", "bfloat16"):
         raise UsageError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
-    if args.kernel not in ("xla", "pallas", "auto"):
-        raise UsageError(f"--kernel must be xla, pallas or auto, got {args.kernel!r}")
+    if args.kernel not in ("xla", "pallas", "auto", "reference"):
+        raise UsageError(f"--kernel must be xla, pallas, auto or reference, got {args.kernel!r}")
     if args.model is not None and not os.path.exists(args.model):
         raise UsageError(f"model not found: {args.model}")
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the cache can use: the accelerator's limit, or the host's available memory (None if unknown)."""
+    try:
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    except Exception:  # noqa: BLE001 - no stats on this backend
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_cache_fits(cache_bytes: int) -> None:
+    """Refuse (one line) a cache that cannot fit in memory, before allocating it."""
+    avail = available_memory_bytes()
+    if avail is not None and cache_bytes > avail:
+        raise UsageError(f"the cache needs {cache_bytes / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB of memory "
+                         f"is available: use a smaller --window / --max-survivors (or --tokens for full)")
 
 
 def load_model_from_args(args):
