@@ -16,6 +16,16 @@ Positions are shared by all layers and all batch rows (every row advances in loc
 stored once: ring_pos/surv_pos (global position, -1 = empty), ring_rot/surv_rot (the position each
 stored key is currently rotated at; 0 for raw keys), surv_rank (the logical-position map: each
 survivor's rank on the rank timeline), surv_copy_pos (where the precomputed copy was rotated).
+
+Stream origin: `t` is the global position of the next token and `start` the global position of the
+stream's first token (0 unless the cache was made with `init_cache(spec, start=s)`). Attention uses
+global positions (window keys rotated at g, the query at t); the token set (DESIGN section 3) is
+defined on stream-relative positions r = g - start: sinks are r < N, flagged tokens (r - N) mod delta ==
+delta - 1, and the window counts the r tokens seen so far. So a stream started at s keeps exactly the
+tokens a stream started at 0 keeps, shifted by s, and every policy's logits are translation-invariant
+(global-timeline policies because attention only sees position differences, rank-timeline policies
+because ranks do not depend on s). Positions are int32: a stream may run while t <= 2**31 - 1 (the
+window arithmetic only ever adds small stream-relative counts, so nothing overflows before that).
 """
 
 from __future__ import annotations
@@ -45,6 +55,16 @@ class CacheSpec:
     token_ids: bool = False
     max_chunk: int = 1
 
+    def __post_init__(self):
+        for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "ring_capacity", "surv_capacity", "max_chunk"):
+            v = getattr(self, name)
+            low = 0 if name == "surv_capacity" else 1
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError(f"CacheSpec.{name} must be an integer >= {low}, got {v!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"CacheSpec.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        _float_dtype_name(self.dtype)
+
     @classmethod
     def for_policies(cls, policies: Policy | list[Policy], *, num_layers: int, num_kv_heads: int, head_dim: int,
                      batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0) -> "CacheSpec":
@@ -59,7 +79,7 @@ class CacheSpec:
             ring, surv = max(ring, r), max(surv, s)
             pre |= h["mode"] == P.RSQR_PRECOMPUTE
             tok |= h["mode"] == P.REPLAY
-        return cls(num_layers, batch, num_kv_heads, head_dim, ring, surv, str(jnp.dtype(dtype)), pre, tok, max_chunk)
+        return cls(num_layers, batch, num_kv_heads, head_dim, ring, surv, _float_dtype_name(dtype), pre, tok, max_chunk)
 
     @property
     def entry_bytes(self) -> int:
@@ -85,6 +105,17 @@ class CacheSpec:
         }
         out["total"] = sum(out.values())
         return out
+
+
+def _float_dtype_name(dtype) -> str:
+    """Canonical name of a floating storage dtype ('float32', 'bfloat16', ...); ValueError otherwise."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unknown cache dtype {dtype!r}") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"cache dtype must be a floating type, got {dt}")
+    return str(dt)
 
 
 def _host_policies(policies) -> list[dict]:
@@ -156,12 +187,23 @@ class KVCache:
     surv_rot: jax.Array
     surv_copy_pos: jax.Array
     t: jax.Array
+    start: jax.Array
 
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
 
 
-def init_cache(spec: CacheSpec) -> KVCache:
+MAX_POSITION = (1 << 31) - 1
+
+
+def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
+    """An empty cache whose stream begins at global position `start` (0 <= start < 2**31 - 1).
+
+    A nonzero start is how a stream continues at a large global position (e.g. to test that nothing
+    depends on the absolute position); see the module docstring for what is relative to it.
+    """
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start < MAX_POSITION:
+        raise ValueError(f"start must be an integer in [0, {MAX_POSITION}), got {start!r}")
     L, B, H, D = spec.num_layers, spec.batch, spec.num_kv_heads, spec.head_dim
     Wc, S = spec.ring_capacity, spec.surv_capacity
     Sp = S if spec.precompute else 0
@@ -175,21 +217,26 @@ def init_cache(spec: CacheSpec) -> KVCache:
         surv_tok=jnp.zeros((B, S if spec.token_ids else 0), jnp.int32),
         ring_pos=neg(Wc), ring_rot=jnp.zeros((Wc,), jnp.int32),
         surv_pos=neg(S), surv_rank=neg(S), surv_rot=jnp.zeros((S,), jnp.int32), surv_copy_pos=neg(Sp),
-        t=jnp.zeros((), jnp.int32),
+        t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
 
 
-def window_start(n: jax.Array, window: jax.Array, block: jax.Array) -> jax.Array:
-    """Global position of the oldest window token after n tokens (DESIGN section 3).
+def window_start(n: jax.Array, window: jax.Array, block: jax.Array, start: jax.Array | int = 0) -> jax.Array:
+    """Global position of the oldest window token once the stream (begun at `start`) reaches n (DESIGN section 3).
 
     The window grows to W + b - 1 tokens; the token that would make it W + b releases the oldest b.
+    Computed on the stream-relative count r = n - start, compared as r - W < b so that nothing
+    overflows int32 whatever n, W and b are.
     """
-    count = jnp.where(n < window + block, n, window + (n - window) % block)
+    r = n - start
+    count = jnp.where(r - window < block, r, window + (r - window) % block)
     return n - count
 
 
 def is_flagged(g: jax.Array, n_sink: jax.Array, delta: jax.Array) -> jax.Array:
-    """Every delta-th non-sink token: (g - N) mod delta == delta - 1 (never when delta == 0)."""
+    """Every delta-th non-sink token: (g - N) mod delta == delta - 1 (never when delta == 0).
+
+    g is the stream-relative position (global position - cache.start)."""
     d = jnp.maximum(delta, 1)
     return (delta > 0) & (g >= n_sink) & ((g - n_sink) % d == d - 1)
 
@@ -254,20 +301,21 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     n = t0 + n_valid
     Wc, S = cache.ring_pos.shape[0], cache.surv_pos.shape[0]
     mode, N = policy.mode, policy.n_sink
-    w0 = window_start(n, policy.window, policy.block)
+    w0 = window_start(n, policy.window, policy.block, cache.start)
+    r_C = g_C - cache.start  # stream-relative positions: what sinks and flags are defined on
 
     ring_slot = jnp.where(real_C, g_C % Wc, Wc)
     ring_pos = cache.ring_pos.at[ring_slot].set(g_C, mode="drop")
 
     # Sinks and flagged tokens get a survivor entry on arrival (their raw shadow while in the window).
-    need_C = real_C & ((g_C < N) | is_flagged(g_C, N, policy.delta))
+    need_C = real_C & ((r_C < N) | is_flagged(r_C, N, policy.delta))
     free_slots = jnp.nonzero(cache.surv_pos < 0, size=C, fill_value=S)[0] if S else jnp.full((C,), S)
     k_C = jnp.clip(jnp.cumsum(need_C) - 1, 0, C - 1)
     surv_slot = jnp.where(need_C, free_slots[k_C], S)
     surv_pos = cache.surv_pos.at[surv_slot].set(g_C, mode="drop")
 
     # Overflow: too many non-sink survivors (entries that left the window).
-    ev = (surv_pos >= 0) & (surv_pos < w0) & (surv_pos >= N)
+    ev = (surv_pos >= 0) & (surv_pos < w0) & (surv_pos - cache.start >= N)
     k_ev = jnp.sum(ev)
     age = order_index(ev, surv_pos)
     cap = policy.max_survivors
@@ -334,7 +382,7 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
 def cached_positions(cache: KVCache, policy: Policy) -> np.ndarray:
     """Sorted global positions the cache holds (for tests and debugging; host-side, single policy)."""
     t = int(cache.t)
-    w0 = int(window_start(jnp.asarray(t), policy.window, policy.block))
+    w0 = int(window_start(jnp.asarray(t), policy.window, policy.block, cache.start))
     ring = np.asarray(cache.ring_pos)
     surv = np.asarray(cache.surv_pos)
     in_window = set(int(g) for g in ring if g >= max(w0, 0))

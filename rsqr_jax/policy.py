@@ -91,6 +91,8 @@ def make_policy(
                         ("max_survivors", max_survivors), ("block", block)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise PolicyError(f"{name} must be an integer, got {value!r}")
+        if not -UNBOUNDED <= value <= UNBOUNDED:  # int32-safe: window + block and friends cannot overflow
+            raise PolicyError(f"{name} must be at most {UNBOUNDED} in magnitude, got {value}")
     if mode == "full":
         window, n_sink, delta, max_survivors, block = UNBOUNDED, 0, 0, 0, 1
     elif mode == "window":

@@ -4,18 +4,28 @@
     python scripts/decode.py --policy rsqr                  # built-in demo: a chat longer than the cache
     python scripts/decode.py --policy full --chat --prompt "What is the capital of France?" --json
     python scripts/decode.py --chat                         # multi-turn chat, one user turn per stdin line
+    python scripts/decode.py --chat --prompt "Hi, I am Ada." --save ada.session
+    python scripts/decode.py --resume ada.session --prompt "What is my name?"   # continue that session
+
+--save PATH writes the whole session (cache, counters, policy, sampler state, chat transcript) after
+every turn, atomically. --resume PATH continues a saved session: the prompt (or the stdin lines) is fed
+after the saved state; policy, cache, sampler and model settings come from the file, and an explicitly
+given flag that conflicts with them is an error.
 
 Tokens stream to stdout (to stderr with --json, whose stdout is one JSON object); status to stderr.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import os
 import sys
 import time
 
-from _common import (Parser, UsageError, add_model_args, add_policy_args, check_model_args, load_model_from_args,
-                     policy_from_args, run_main, status)
+from _common import (Parser, UsageError, add_model_args, add_policy_args, check_cache_fits, check_model_args,
+                     load_model_from_args, policy_from_args, run_main, status)
 
 DEMO_TURNS = [
     "Hi! My name is Ada and I keep bees on a rooftop in Lisbon. Give me three tips for a beginner beekeeper.",
@@ -39,6 +49,8 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print one JSON object with the result and figures")
+    p.add_argument("--save", default=None, metavar="PATH", help="save the session to PATH after every turn")
+    p.add_argument("--resume", default=None, metavar="PATH", help="continue the session saved in PATH")
     add_policy_args(p, default_policy="rsqr")
     add_model_args(p)
     return p
@@ -67,11 +79,85 @@ class ChatFeed:
         self.fed_text += text
 
 
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the flags actually given on the command line (not left at their defaults)."""
+    saved = {id(a): a.default for a in parser._actions}
+    try:
+        for a in parser._actions:
+            a.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for a in parser._actions:
+            a.default = saved[id(a)]
+
+
+def check_save_path(path: str) -> None:
+    """Fail before any work if PATH cannot be written (the write itself is atomic: session.write_session_file)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--save {path}: is a directory")
+    if not os.path.isdir(directory):
+        raise UsageError(f"--save {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UsageError(f"--save {path}: directory {directory} is not writable")
+
+
+# decode.py flag -> where its value lives in a session file header
+_POLICY_FLAGS = {"window": "window", "sinks": "n_sink", "delta": "delta", "max_survivors": "max_survivors",
+                 "block": "block"}
+
+
+def apply_resume(args, header: dict, given: set[str]) -> None:
+    """Take policy, cache, sampler and model settings from a session header; explicit conflicting flags -> error."""
+    from rsqr_jax.policy import MODES, OVERFLOWS
+
+    pol = header["policy"]
+    saved = {"policy": MODES[pol["mode"]], "overflow": OVERFLOWS[pol["overflow"]],
+             **{flag: pol[key] for flag, key in _POLICY_FLAGS.items()},
+             "prefill_chunk": header["prefill_chunk"], "temperature": header["temperature"],
+             "top_p": header["top_p"], "seed": header["seed"], "dtype": header["identity"].get("dtype"),
+             "chat": bool(header["extra"].get("chat", False))}
+    for dest, value in saved.items():
+        if dest in given and getattr(args, dest) != value and not (dest == "chat" and value):
+            flag = "--" + dest.replace("_", "-")
+            shown = "" if dest == "chat" else f" {getattr(args, dest)}"
+            raise UsageError(f"{flag}{shown} conflicts with the resumed session ({dest} = {value})")
+        setattr(args, dest, value)
+    path = header["identity"].get("path")
+    if args.model is None:
+        args.model = path
+    elif os.path.abspath(args.model) != path:
+        raise UsageError(f"--model {args.model} conflicts with the resumed session (saved with {path})")
+
+
 def main() -> int:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    given = explicit_dests(parser, sys.argv[1:])
     check_model_args(args)
+    if args.model is not None:
+        args.model = os.path.abspath(args.model)  # the model identity a saved session records
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be positive, got {args.prefill_chunk}")
+    if args.save is not None:
+        check_save_path(args.save)
+    header = None
+    if args.resume is not None:
+        from rsqr_jax.session import Session, SessionFileError
+
+        try:
+            header = Session.read_header(args.resume)
+        except SessionFileError as e:
+            raise UsageError(str(e)) from None
+        apply_resume(args, header, given)
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = args.prompt
@@ -79,6 +165,8 @@ def main() -> int:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
                 prompt = f.read()
+        except UnicodeDecodeError as e:
+            raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 (byte {e.start})") from None
         except OSError as e:
             raise UsageError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
         if not prompt.strip():
@@ -86,12 +174,26 @@ def main() -> int:
     if prompt is not None and not prompt.strip():
         raise UsageError("--prompt is empty")
     policy = policy_from_args(args)
-    demo = prompt is None and not args.chat
+    demo = prompt is None and not args.chat and header is None
 
-    import numpy as np
-
+    from models.llama import LoadedModel
+    from models.loading import default_model_path, load_config
     from rsqr_jax.cache import CacheSpec
-    from rsqr_jax.session import Session
+    from rsqr_jax.session import Session, SessionFileError, check_identity
+
+    # Checks that need only the model's config (fast), before the tokenizer and weights are loaded.
+    model_path = args.model if args.model is not None else default_model_path()
+    cfg = load_config(model_path)
+    chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
+    if header is not None:
+        try:  # the identity the loaded model will have (checked again by Session.load)
+            check_identity(args.resume, header["identity"], LoadedModel(cfg, None, model_path, args.dtype).identity)
+        except SessionFileError as e:
+            raise UsageError(str(e)) from None
+    elif args.policy != "full":  # `full` is sized by the prompt: checked once it is tokenized
+        check_cache_fits(CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                                head_dim=cfg.head_dim, dtype=args.dtype,
+                                                max_chunk=chunk).bytes_by_part(policy)["total"])
 
     t_load = time.perf_counter()
     loaded, apply_fn, params = load_model_from_args(args)
@@ -105,17 +207,25 @@ def main() -> int:
     elif prompt is not None:
         turns, chat = [prompt], args.chat
     else:
-        turns, chat = None, True  # lines from stdin
+        turns, chat = None, True if header is None else args.chat  # lines from stdin
     # `full` must hold the whole session: size it to what this run can reach, no more (attention pays for it).
     prompt_bound = sum(len(tok.encode(t)) + 64 for t in turns) if turns else 4096
     n_turns = len(turns) if turns else 16
     max_len = prompt_bound + n_turns * (args.max_new_tokens + 8)
     max_len = -(-max_len // 64) * 64
-    chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
-    spec = CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, dtype=args.dtype, max_chunk=chunk, max_len=max_len)
-    session = Session(apply_fn, params, spec, policy, prefill_chunk=chunk, temperature=args.temperature,
-                      top_p=args.top_p, seed=args.seed, eos_ids=cfg.eos_token_ids)
+    if header is None:
+        spec = CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                      head_dim=cfg.head_dim, dtype=args.dtype, max_chunk=chunk, max_len=max_len)
+        check_cache_fits(spec.bytes_by_part(policy)["total"])
+        session = Session(apply_fn, params, spec, policy, prefill_chunk=chunk, temperature=args.temperature,
+                          top_p=args.top_p, seed=args.seed, eos_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
+    else:
+        try:
+            session = Session.load(args.resume, apply_fn, params, loaded.identity, policy=policy)
+        except SessionFileError as e:
+            raise UsageError(str(e)) from None
+        spec = session.spec
+        status(f"resumed {args.resume}: {session.n_tokens} tokens so far")
     cache_bytes = spec.bytes_by_part(policy)
     status(f"cache budget {cache_bytes['total'] / 2**20:.1f} MiB " +
            ", ".join(f"{k} {v / 2**20:.2f}" for k, v in cache_bytes.items() if k != "total" and v))
@@ -124,6 +234,9 @@ def main() -> int:
 
     out = sys.stderr if args.json else sys.stdout
     feeder = ChatFeed(tok) if chat else None
+    if feeder is not None and header is not None:
+        feeder.messages = list(session.extra.get("messages", []))
+        feeder.fed_text = session.extra.get("fed_text", "")
     replies, n_prompt, n_gen, prefill_s, decode_s = [], 0, 0, 0.0, 0.0
 
     def run_turn(user_text: str) -> None:
@@ -132,7 +245,10 @@ def main() -> int:
         if chat:
             print(f"\n>>> {user_text}", file=out, flush=True)
         t0 = time.perf_counter()
-        session.feed(ids)
+        try:
+            session.feed(ids)
+        except ValueError as e:  # e.g. a resumed `full` session whose cache is full
+            raise UsageError(str(e)) from None
         prefill_s += time.perf_counter() - t0
         n_prompt += len(ids)
         reply: list[int] = []
@@ -154,6 +270,13 @@ def main() -> int:
         replies.append(text)
         if chat:
             feeder.assistant_reply(text)
+        if args.save is not None:
+            extra = ({"chat": True, "messages": feeder.messages, "fed_text": feeder.fed_text} if chat
+                     else {"chat": False})
+            try:
+                session.save(args.save, loaded.identity, extra=extra)
+            except SessionFileError as e:
+                raise UsageError(str(e)) from None
 
     if turns is None:
         for line in sys.stdin:

@@ -12,8 +12,8 @@ import math
 import os
 import time
 
-from _common import (DEFAULT_TEXT, Parser, UsageError, add_model_args, add_policy_args, check_model_args,
-                     load_model_from_args, policy_from_args, run_main, status)
+from _common import (DEFAULT_TEXT, Parser, UsageError, add_model_args, add_policy_args, check_cache_fits,
+                     check_model_args, load_model_from_args, policy_from_args, run_main, status)
 
 
 def build_parser() -> Parser:
@@ -24,20 +24,32 @@ def build_parser() -> Parser:
     p.add_argument("--segment", type=int, default=256, help="tokens per jitted call (progress granularity)")
     p.add_argument("--bucket", type=int, default=1000, help="tokens per point of the perplexity curve")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--save-nll", default=None, metavar="PATH", help="write the per-token NLL (float32 .npy)")
     p.add_argument("--no-progress", action="store_true")
     add_policy_args(p, default_policy="rsqr")
     add_model_args(p)
     return p
 
 
-def read_tokens(tokenizer, path: str, n: int) -> list[int]:
-    """The first n tokens of a text file (tokenizing only as much text as needed)."""
+def read_text(path: str) -> str:
+    """The text of a UTF-8 file; UsageError (one line) if missing, unreadable, not UTF-8 or empty."""
     if not os.path.isfile(path):
         raise UsageError(f"text file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"text file {path} is not UTF-8 (byte {e.start})") from None
+    except OSError as e:
+        raise UsageError(f"cannot read text file {path}: {e.strerror}") from None
     if not text.strip():
         raise UsageError(f"text file {path} is empty")
+    return text
+
+
+def read_tokens(tokenizer, path: str, n: int) -> list[int]:
+    """The first n tokens of a text file (tokenizing only as much text as needed)."""
+    text = read_text(path)
     chars = max(8 * n, 4096)
     while True:
         ids = tokenizer.encode(text[:chars], add_special_tokens=False)
@@ -65,9 +77,12 @@ def main() -> int:
         raise UsageError(f"--tokens must be >= 2, got {args.tokens}")
     if args.chunk < 1 or args.segment < 1 or args.segment % args.chunk:
         raise UsageError("--chunk must be >= 1 and divide --segment")
-    if not os.path.isfile(args.text):
-        raise UsageError(f"text file not found: {args.text}")
+    if args.bucket < 1:
+        raise UsageError(f"--bucket must be >= 1, got {args.bucket}")
+    read_text(args.text)  # fail before loading the model
     policy = policy_from_args(args)
+    if args.policy != "full" and args.chunk > args.window:
+        raise UsageError(f"--chunk {args.chunk} is larger than --window {args.window}")
 
     from rsqr_jax.cache import CacheSpec
     from rsqr_jax.stream import stream_nll
@@ -78,6 +93,7 @@ def main() -> int:
     spec = CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, dtype=args.dtype, max_chunk=args.chunk, max_len=args.tokens)
     cache_bytes = spec.bytes_by_part(policy)
+    check_cache_fits(cache_bytes["total"])
     status(f"{policy.name}, {args.dtype}, chunk {args.chunk}: {args.tokens} tokens of {os.path.basename(args.text)}; "
            f"cache {cache_bytes['total'] / 2**20:.1f} MiB")
 
@@ -101,6 +117,9 @@ def main() -> int:
     elapsed = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    if args.save_nll:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_nll)), exist_ok=True)
+        np.save(args.save_nll, nll[0].astype(np.float32))
     nll = nll[0].astype(np.float64)
     if not np.all(np.isfinite(nll)):
         raise RuntimeError("non-finite NLL: numerical failure")
