@@ -1,0 +1,105 @@
+"""Shared pieces of the streaming-perplexity experiments (exp_policies.py, exp_ppl.py): policy batches
+streamed in one vmapped `stream_nll` call, single-policy runs, the torch reference, summaries, timing."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import numpy as np
+
+from _common import REPO_ROOT, status
+
+
+class Timer:
+    """Wall and process-CPU seconds of a block (CPU time counts every thread of this process)."""
+
+    def __enter__(self):
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.w0
+        self.cpu = time.process_time() - self.c0
+
+
+def stream_policies(loaded, apply_fn, params, ids, policies: dict, *, chunk: int = 1, segment: int = 256,
+                    label: str = "") -> tuple[dict, dict]:
+    """Stream the token ids through every policy of {key: Policy} in ONE vmapped stream_nll call (one
+    compilation, weights shared). Returns ({key: per-token NLL float64 [T-1]}, timing dict)."""
+    from rsqr_jax import policy as P
+    from rsqr_jax.cache import CacheSpec
+    from rsqr_jax.stream import stream_nll
+
+    cfg = loaded.config
+    keys = list(policies)
+    pols = [policies[k] for k in keys]
+    batch = P.stack_policies(pols) if len(pols) > 1 else pols[0]
+    spec = CacheSpec.for_policies(pols, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, dtype=loaded.dtype, max_chunk=chunk, max_len=len(ids))
+    n = len(ids) - 1
+    t_seg = [time.perf_counter()]
+
+    def progress(done):
+        t_seg.append(time.perf_counter())
+        dt = t_seg[-1] - t_seg[-2]
+        status(f"  [{label}] {done}/{n} tokens ({dt:.1f}s for the last segment)")
+
+    status(f"[{label}] {len(keys)} polic{'ies' if len(keys) > 1 else 'y'} ({', '.join(keys)}), {loaded.dtype}, "
+           f"chunk {chunk}, {len(ids)} tokens")
+    with Timer() as tm:
+        nll, _ = stream_nll(apply_fn, params, np.asarray([ids]), batch, spec, chunk=chunk, segment=segment,
+                            progress=progress, vmap_policies=len(pols) > 1)
+    nll = np.asarray(nll, np.float64)
+    nll = nll[:, 0] if len(pols) > 1 else nll[None, 0]
+    out = {k: nll[i] for i, k in enumerate(keys)}
+    seg_times = np.diff(t_seg)
+    steady = float(np.median(seg_times[1:])) / segment if len(seg_times) > 2 else None
+    timing = {"label": label, "policies": keys, "dtype": loaded.dtype, "chunk": chunk, "tokens": len(ids),
+              "wall_s": tm.wall, "cpu_s": tm.cpu, "first_segment_s": float(seg_times[0]) if len(seg_times) else None,
+              "steady_s_per_token": steady}
+    status(f"[{label}] done in {tm.wall:.0f}s wall, {tm.cpu:.0f}s CPU"
+           + (f"; steady {1000 * steady:.0f} ms/token (wall)" if steady else ""))
+    return out, timing
+
+
+def hf_reference_nll(model_path: str, ids, *, chunk: int = 512) -> tuple[np.ndarray, dict]:
+    """Per-token NLL [T-1] of HF transformers' own float32 model (torch, eager, full attention) of the same
+    GGUF weights (tests/hf_fixtures.hf_gguf_model), fed in chunks with past_key_values."""
+    import torch
+
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from hf_fixtures import hf_gguf_model
+
+    with Timer() as tm:
+        model = hf_gguf_model(model_path)
+        x = torch.as_tensor(np.asarray([ids], np.int64))
+        n = x.shape[1] - 1
+        past, out = None, []
+        with torch.no_grad():
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                res = model(input_ids=x[:, s:e], past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                logp = torch.log_softmax(res.logits.to(torch.float32), dim=-1)
+                out.append(-logp.gather(-1, x[:, s + 1:e + 1, None])[0, :, 0].numpy())
+                status(f"  [hf] {e}/{n} tokens")
+    nll = np.concatenate(out).astype(np.float64)
+    return nll, {"label": "hf", "wall_s": tm.wall, "cpu_s": tm.cpu, "chunk": chunk, "tokens": len(ids),
+                 "torch_threads": torch.get_num_threads()}
+
+
+def ppl(nll) -> float:
+    return float(math.exp(float(np.mean(nll))))
+
+
+def ppl_curve(nll, bucket: int) -> list[dict]:
+    """Perplexity of each consecutive bucket of scored tokens (the last one may be shorter)."""
+    return [{"start": s, "end": min(s + bucket, len(nll)), "ppl": ppl(nll[s:s + bucket])}
+            for s in range(0, len(nll), bucket)]
+
+
+def check_finite(key: str, nll) -> None:
+    if not np.all(np.isfinite(nll)):
+        raise RuntimeError(f"{key}: non-finite NLL (numerical failure)")

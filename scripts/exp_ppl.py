@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Issue 6 section 3: streaming perplexity of every policy on Frankenstein, per 1k tokens (table + plot).
+
+    python scripts/exp_ppl.py --quick                       # CI smoke (~1-2 min): 512 tokens, W=64, float32
+    python scripts/exp_ppl.py                               # default grid, sized to < 30 min on 2 idle cores
+    python scripts/exp_ppl.py --tokens 20000 --full-tokens 20000 --replay-tokens 20000 --bf16-policies same
+                                                            # the full issue-6 grid (hours on CPU)
+
+Default grid: float32 W=256 4096 tokens, float32 W=1024 3072, bfloat16 W=256 2048 and W=1024 1536
+(--cell-tokens); bfloat16 cells run streamingllm, rerotate (block 1 and 8), rsqr, rsqr_precompute.
+
+For each (W, dtype) cell, the token-by-token policies (window, streamingllm, leave_gaps, rerotate block 1,
+rerotate block 8, rsqr, rsqr_precompute) stream the text in ONE vmapped stream_nll call (one compilation,
+weights shared); `full` runs once per dtype (it does not depend on W) with chunked prefill (exact for
+full; --full-chunk) over at most --full-tokens tokens; `replay` (a full forward over the cache at every
+eviction event, so very expensive) runs alone with block --replay-block over at most --replay-tokens.
+Policy parameters: N sinks, survivor stride delta, max survivors S (fifo) as given (defaults 4 / 8 / 64).
+Writes OUT/exp_ppl.json, OUT/exp_ppl.md and a PNG of the per-1k-token perplexity curves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from _common import DEFAULT_TEXT, Parser, UsageError, run_main, status
+from _stream_exp import Timer, check_finite, ppl, ppl_curve, stream_policies
+
+VMAPPED = ("window", "streamingllm", "leave_gaps", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute")
+ALL = ("full",) + VMAPPED + ("replay",)
+# bfloat16 is ~3x slower per step than float32 on XLA:CPU: by default its cells run the rank-timeline
+# policies whose numerics differ (rotation in the storage dtype) and fewer tokens.
+BF16_DEFAULT = ("streamingllm", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute")
+DEFAULT_CELL_TOKENS = "1024/float32=3072,256/bfloat16=2048,1024/bfloat16=1536"
+
+
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--text", default=str(DEFAULT_TEXT))
+    p.add_argument("--tokens", type=int, default=None, help="tokens streamed per cell (default 4096; --quick 512)")
+    p.add_argument("--windows", default=None, help="comma-separated windows W (default 256,1024; --quick 64)")
+    p.add_argument("--dtypes", default=None, help="comma-separated: float32, bfloat16 (default both; --quick float32)")
+    p.add_argument("--policies", default=",".join(ALL), help=f"float32 cells: comma-separated subset of {','.join(ALL)}")
+    p.add_argument("--bf16-policies", default=",".join(BF16_DEFAULT),
+                   help="bfloat16 cells: subset as for --policies, or 'same' (= --policies)")
+    p.add_argument("--cell-tokens", default=None,
+                   help="per-cell override of --tokens, W/dtype=N terms (default: " + DEFAULT_CELL_TOKENS
+                        + "; '' for none)")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--delta", type=int, default=8)
+    p.add_argument("--max-survivors", type=int, default=64)
+    p.add_argument("--full-tokens", type=int, default=None, help="cap for full (default 4096)")
+    p.add_argument("--full-chunk", type=int, default=256)
+    p.add_argument("--replay-tokens", type=int, default=None, help="cap for replay (default W+512; --quick W+96)")
+    p.add_argument("--replay-block", type=int, default=None, help="replay eviction block (default 32; --quick 16)")
+    p.add_argument("--bucket", type=int, default=None, help="tokens per point of the curves (default 1000; --quick 128)")
+    p.add_argument("--segment", type=int, default=256, help="tokens per jitted call")
+    p.add_argument("--quick", action="store_true", help="tiny configuration for CI")
+    p.add_argument("--out", default=None, help="output directory (default runs/exp_ppl[_quick])")
+    p.add_argument("--plot", default=None, help="PNG path (default OUT/exp_ppl.png)")
+    return p
+
+
+def _ints(s: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what}: expected comma-separated integers, got {s!r}") from None
+    if not vals or min(vals) < 1:
+        raise UsageError(f"{what}: expected positive integers, got {s!r}")
+    return vals
+
+
+def _policies(s: str, what: str) -> list[str]:
+    pols = [x for x in s.split(",") if x]
+    bad = [x for x in pols if x not in ALL]
+    if bad or not pols:
+        raise UsageError(f"{what}: unknown {','.join(bad) or '(none)'}; choose from {','.join(ALL)}")
+    return pols
+
+
+def parse(args) -> dict:
+    q = args.quick
+    T = args.tokens or (512 if q else 4096)
+    windows = _ints(args.windows or ("64" if q else "256,1024"), "--windows")
+    dtypes = [d for d in (args.dtypes or ("float32" if q else "float32,bfloat16")).split(",") if d]
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if bad or not dtypes:
+        raise UsageError(f"--dtypes: choose from float32,bfloat16, got {args.dtypes!r}")
+    pols = {"float32": _policies(args.policies, "--policies")}
+    pols["bfloat16"] = pols["float32"] if args.bf16_policies == "same" else _policies(args.bf16_policies,
+                                                                                    "--bf16-policies")
+    cell_tokens = {}
+    spec = args.cell_tokens if args.cell_tokens is not None else ("" if q or args.tokens else DEFAULT_CELL_TOKENS)
+    for term in [t for t in spec.split(",") if t]:
+        try:
+            cell, n = term.split("=")
+            w, d = cell.split("/")
+            cell_tokens[(int(w), d)] = int(n)
+        except ValueError:
+            raise UsageError(f"--cell-tokens: bad term {term!r} (expected W/dtype=N)") from None
+    full_T = min(T, args.full_tokens or 4096)
+    replay_b = args.replay_block or (16 if q else 32)
+    bucket = args.bucket or (128 if q else 1000)
+    for n in [T, full_T, args.replay_tokens or 2] + list(cell_tokens.values()):
+        if n < 2:
+            raise UsageError("token counts must be >= 2")
+    if bucket < 1 or args.segment < 1 or args.full_chunk < 1 or args.segment % args.full_chunk:
+        raise UsageError("--bucket and --segment must be positive, and --full-chunk must divide --segment")
+    return dict(T=T, windows=windows, dtypes=dtypes, pols=pols, cell_tokens=cell_tokens, full_T=full_T,
+                replay_b=replay_b, bucket=bucket)
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    cfg = parse(args)
+    T, windows, dtypes, pols, cell_tokens = cfg["T"], cfg["windows"], cfg["dtypes"], cfg["pols"], cfg["cell_tokens"]
+    full_T, replay_b, bucket = cfg["full_T"], cfg["replay_b"], cfg["bucket"]
+
+    def replay_T(W, Tc):
+        return min(Tc, args.replay_tokens or W + (96 if args.quick else 512))
+    out_dir = args.out or os.path.join("runs", "exp_ppl_quick" if args.quick else "exp_ppl")
+    os.makedirs(out_dir, exist_ok=True)
+    plot_path = args.plot or os.path.join(out_dir, "exp_ppl.png")
+
+    from eval_stream import read_tokens
+    from models.llama import load_model, split_apply
+    from rsqr_jax import policy as P
+
+    kw = dict(n_sink=args.sinks, delta=args.delta, max_survivors=args.max_survivors)
+
+    def make(key, W):
+        if key == "window":
+            return P.make_policy("window", window=W)
+        if key == "streamingllm":
+            return P.make_policy("streamingllm", window=W, n_sink=args.sinks)
+        if key == "rerotate_b8":
+            return P.make_policy("rerotate", window=W, block=8, **kw)
+        if key == "replay":
+            return P.make_policy("replay", window=W, block=replay_b, **kw)
+        return P.make_policy(key, window=W, **kw)
+
+    max_T = max([T] + list(cell_tokens.values()))
+    cells, timings = [], []
+    with Timer() as total:
+        for dtype in dtypes:
+            lm = load_model(None, dtype)
+            apply_fn, params = split_apply(lm.model)
+            ids_all = read_tokens(lm.tokenizer, args.text, max_T)
+            full_run = None
+            if "full" in pols[dtype]:
+                nll, tm = stream_policies(lm, apply_fn, params, ids_all[:full_T], {"full": P.full()},
+                                          chunk=args.full_chunk, segment=args.segment, label=f"full {dtype}")
+                full_run = nll["full"]
+                timings.append(tm)
+            for W in windows:
+                Tc = cell_tokens.get((W, dtype), T)
+                ids = ids_all[:Tc]
+                runs = {}
+                batch = {k: make(k, W) for k in VMAPPED if k in pols[dtype]}
+                if batch:
+                    nll, tm = stream_policies(lm, apply_fn, params, ids, batch, segment=args.segment,
+                                              label=f"W={W} {dtype}")
+                    runs.update(nll)
+                    timings.append(tm)
+                if "replay" in pols[dtype]:
+                    nll, tm = stream_policies(lm, apply_fn, params, ids[:replay_T(W, Tc)],
+                                              {"replay": make("replay", W)}, segment=args.segment,
+                                              label=f"replay W={W} {dtype}")
+                    runs.update(nll)
+                    timings.append(tm)
+                if full_run is not None:
+                    runs = {"full": full_run, **runs}
+                cells.append({"window": W, "dtype": dtype, "tokens": Tc, "nll": runs,
+                              "names": {k: (P.full() if k == "full" else make(k, W)).name for k in runs}})
+
+    result = summarize(cells, bucket)
+    result.update(config={"text": os.path.abspath(args.text), "tokens": T, "cell_tokens": {f"{w}/{d}": n for (w, d), n in
+                                                                                           cell_tokens.items()},
+                          "windows": windows, "dtypes": dtypes, "policies": pols, "sinks": args.sinks,
+                          "delta": args.delta, "max_survivors": args.max_survivors, "overflow": "fifo",
+                          "full_tokens": full_T, "full_chunk": args.full_chunk,
+                          "replay_tokens": {str(W): replay_T(W, T) for W in windows},
+                          "replay_block": replay_b, "bucket": bucket, "quick": args.quick},
+                  timings=timings, total_wall_s=total.wall, total_cpu_s=total.cpu)
+    for c in cells:
+        for k, v in c["nll"].items():
+            np.save(os.path.join(out_dir, f"nll_W{c['window']}_{c['dtype']}_{k}.npy"), v.astype(np.float32))
+    with open(os.path.join(out_dir, "exp_ppl.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, plot_path)
+    md = markdown(result)
+    with open(os.path.join(out_dir, "exp_ppl.md"), "w") as f:
+        f.write(md)
+    print(md)
+    status(f"wrote {out_dir}/exp_ppl.json, exp_ppl.md, {plot_path} ({total.wall:.0f}s wall, {total.cpu:.0f}s CPU)")
+    return 0
+
+
+def summarize(cells: list[dict], bucket: int) -> dict:
+    """Per cell and policy: ppl over its scored tokens, ppl over the prefix every run of the cell scored
+    (comparable), the per-bucket curve, and mean |dNLL| against rsqr of the same cell and against rsqr
+    float32 of the same window (the oracle: same token set, one rotation from raw)."""
+    oracle = {c["window"]: c["nll"]["rsqr"] for c in cells if c["dtype"] == "float32" and "rsqr" in c["nll"]}
+    out = []
+    for c in cells:
+        n_common = min(v.size for v in c["nll"].values())
+        runs = {}
+        for k, v in c["nll"].items():
+            check_finite(f"W={c['window']} {c['dtype']} {k}", v)
+            r = {"name": c["names"][k], "n_scored": int(v.size), "ppl": ppl(v), "ppl_common": ppl(v[:n_common]),
+                 "curve": ppl_curve(v, bucket)}
+            same_set = k in ("rerotate", "rsqr", "rsqr_precompute")
+            if same_set and "rsqr" in c["nll"] and k != "rsqr":
+                r["mean_abs_dnll_vs_rsqr"] = float(np.mean(np.abs(v - c["nll"]["rsqr"])))
+            o = oracle.get(c["window"])
+            if same_set and o is not None and not (k == "rsqr" and c["dtype"] == "float32"):
+                n = min(o.size, v.size)
+                r["mean_abs_dnll_vs_oracle"] = float(np.mean(np.abs(v[:n] - o[:n])))
+                r["rel_dppl_vs_oracle"] = ppl(v[:n]) / ppl(o[:n]) - 1
+            runs[k] = r
+        out.append({"window": c["window"], "dtype": c["dtype"], "tokens": c["tokens"], "n_common": n_common,
+                    "runs": runs})
+    return {"cells": out}
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    cells = result["cells"]
+    keys = [k for k in ALL if any(k in c["runs"] for c in cells)]
+    head = [f"W={c['window']} {c['dtype']} ({c['tokens']} tok)" for c in cells]
+    lines = [f"Perplexity over each run's scored tokens (n in brackets when shorter than the cell). N={cfg['sinks']}, "
+             f"delta={cfg['delta']}, S={cfg['max_survivors']} fifo; full chunk {cfg['full_chunk']}; replay block "
+             f"{cfg['replay_block']}.", "",
+             "| policy | " + " | ".join(head) + " |", "|---|" + "---:|" * len(cells)]
+    for k in keys:
+        vals = []
+        for c in cells:
+            r = c["runs"].get(k)
+            if r is None:
+                vals.append("–")
+            else:
+                short = f" (n={r['n_scored'] + 1})" if r["n_scored"] + 1 < c["tokens"] else ""
+                vals.append(f"{r['ppl']:.3f}{short}")
+        lines.append(f"| {k} | " + " | ".join(vals) + " |")
+    lines += ["", "Same token set as rsqr float32 (the oracle): mean |ΔNLL| per token and relative Δppl vs the oracle.",
+              "", "| policy | " + " | ".join(head) + " |", "|---|" + "---:|" * len(cells)]
+    for k in ("rsqr", "rsqr_precompute", "rerotate"):
+        vals = []
+        for c in cells:
+            r = c["runs"].get(k, {})
+            vals.append(f"{r['mean_abs_dnll_vs_oracle']:.2e} / {100 * r['rel_dppl_vs_oracle']:+.2f}%"
+                        if "mean_abs_dnll_vs_oracle" in r else ("oracle" if k == "rsqr" and c["dtype"] == "float32"
+                                                                else "–"))
+        lines.append(f"| {k} | " + " | ".join(vals) + " |")
+    for c in cells:
+        n_b = max(len(r["curve"]) for r in c["runs"].values())
+        edges = next(r["curve"] for r in c["runs"].values() if len(r["curve"]) == n_b)
+        lines += ["", f"Per-{cfg['bucket']}-token perplexity, W={c['window']} {c['dtype']}:", "",
+                  "| policy | " + " | ".join(f"{e['start']}–{e['end']}" for e in edges) + " |",
+                  "|---|" + "---:|" * n_b]
+        for k, r in c["runs"].items():
+            vals = [f"{p['ppl']:.2f}" for p in r["curve"]] + ["–"] * (n_b - len(r["curve"]))
+            lines.append(f"| {k} | " + " | ".join(vals) + " |")
+    lines += ["", "| run | policies | tokens | wall s | CPU s | steady s/token (wall) |", "|---|---|---:|---:|---:|---:|"]
+    for t in result["timings"]:
+        st = t.get("steady_s_per_token")
+        lines.append(f"| {t['label']} | {', '.join(t['policies'])} | {t['tokens']} | {t['wall_s']:.0f} | "
+                     f"{t['cpu_s']:.0f} | {'–' if st is None else f'{st:.3f}'} |")
+    lines.append(f"\nTotal: {result['total_wall_s']:.0f} s wall, {result['total_cpu_s']:.0f} s CPU.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = result["cells"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False, sharey=True)
+    style = {"full": ("k", "-"), "window": ("tab:red", "-"), "streamingllm": ("tab:blue", "-"),
+             "leave_gaps": ("tab:olive", "--"), "rerotate": ("tab:orange", "-"), "rerotate_b8": ("tab:orange", ":"),
+             "rsqr": ("tab:green", "-"), "rsqr_precompute": ("tab:green", "--"), "replay": ("tab:purple", "-")}
+    for ax, c in zip(axes[0], cells):
+        for k, r in c["runs"].items():
+            x = [(p["start"] + p["end"]) / 2000 for p in r["curve"]]
+            col, ls = style.get(k, ("gray", "-"))
+            ax.plot(x, [p["ppl"] for p in r["curve"]], color=col, ls=ls, marker=".", ms=3, lw=1, label=k)
+        ax.set_yscale("log")
+        ax.set_title(f"W={c['window']}, {c['dtype']}", fontsize=9)
+        ax.set_xlabel("token position (k)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel(f"perplexity per {result['config']['bucket']} tokens")
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    run_main(main)
