@@ -123,7 +123,8 @@ def layer_attention(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Ar
 
     # streamingllm: every cached key is rotated from raw at its rank, every step.
     win_k = jax.lax.cond(plan.rotate_window,
-                         lambda k: _rotate_BHND(k, plan.ring_rank, inv_freq).astype(dt), lambda k: k, _get(ring_k, layer))
+                         lambda k: _rotate_BHND(k, plan.ring_rank, inv_freq).astype(dt), lambda k: k,
+                         _get(ring_k, layer))
     seg_k = _get(surv_k, layer)
     if surv_k_rot.shape[3]:
         seg_k = jax.lax.cond(plan.use_precompute, lambda: _get(surv_k_rot, layer), lambda: seg_k)

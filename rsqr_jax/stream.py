@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from rsqr_jax import policy as P
+from rsqr_jax.attention import BITS_DTYPE
 from rsqr_jax.cache import CacheSpec, KVCache, init_cache, plan_step
 from rsqr_jax.policy import Policy
 from rsqr_jax.sampling import sample
@@ -53,6 +54,18 @@ def _replay(apply_fn, params, cache: KVCache, plan):
     return logits, cache.replace(ring_k=ring_k, ring_v=ring_v, surv_k=surv_k, surv_v=surv_v)
 
 
+_KV_FIELDS = ("ring_k", "ring_v", "surv_k", "surv_v", "surv_k_rot")
+
+
+def _bits_on_cpu(cache: KVCache) -> bool:
+    """bfloat16 K/V on CPU run through the model as uint16 bits (see rsqr_jax.attention.BITS_DTYPE)."""
+    return cache.ring_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
+def _kv_bitcast(cache: KVCache, dtype) -> KVCache:
+    return cache.replace(**{f: jax.lax.bitcast_convert_type(getattr(cache, f), dtype) for f in _KV_FIELDS})
+
+
 def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
          n_valid: jax.Array | int | None = None) -> tuple[jax.Array, KVCache]:
     """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache."""
@@ -64,7 +77,10 @@ def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, polic
         cache = cache.replace(surv_tok=cache.surv_tok.at[:, plan.surv_slot].set(tokens_BxC, mode="drop"))
 
     def normal(cache):
-        return apply_fn(params, tokens_BxC, cache, plan)
+        if not _bits_on_cpu(cache):
+            return apply_fn(params, tokens_BxC, cache, plan)
+        logits, bits = apply_fn(params, tokens_BxC, _kv_bitcast(cache, BITS_DTYPE), plan)
+        return logits, _kv_bitcast(bits, jnp.bfloat16)
 
     if cache.ring_tok.shape[1]:
         logits, cache = jax.lax.cond(plan.replay_event, lambda c: _replay(apply_fn, params, c, plan),

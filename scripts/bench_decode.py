@@ -38,7 +38,8 @@ def build_parser() -> Parser:
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch threads for HF")
     p.add_argument("--single-thread", action="store_true",
-                   help="one thread on both sides (torch 1 thread, XLA:CPU without its Eigen pool): robust on a busy machine")
+                   help="one thread on both sides (torch 1 thread, XLA:CPU without its Eigen pool): "
+                   "robust on a busy machine")
     p.add_argument("--no-hf", action="store_true", help="skip HF (ours only)")
     p.add_argument("--quick", action="store_true", help="tiny run: C = 64 128, 8 new tokens, 1 repeat")
     p.add_argument("--text", default=str(DEFAULT_TEXT))
@@ -265,7 +266,8 @@ def main() -> int:
         line = f"{r['cached']:>7} {r['ours_tok_s']:>11.1f} {r['ours_ms_per_token']:>12.1f}"
         if hf is not None:
             agree = r.get("greedy_agreement")
-            line += (f" {r['hf_tok_s']:>9.1f} {r['hf_ms_per_token']:>10.1f} {r['ratio']:>7.2f}x {r['cpu_ratio']:>14.2f}x "
+            line += (f" {r['hf_tok_s']:>9.1f} {r['hf_ms_per_token']:>10.1f} {r['ratio']:>7.2f}x"
+                     f" {r['cpu_ratio']:>14.2f}x "
                      f"{'-' if agree is None else f'{agree:.0%}':>13}")
         print(line)
     result = {"args": {k: v for k, v in vars(args).items()}, "rows": rows,

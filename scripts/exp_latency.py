@@ -388,7 +388,8 @@ def main() -> int:
             r = run.probe(s, mode, args.sweep_position, n)
             r.update(name=name, policy=pol.name, cache_bytes=spec.bytes_by_part(pol))
             result["sweep"].append(r)
-            status(f"sweep {name}: p50 {r['latency_ms']['p50']:.1f} ms, event bump {r.get('event_bump', float('nan')):.2f}x"
+            bump = r.get("event_bump", float("nan"))
+            status(f"sweep {name}: p50 {r['latency_ms']['p50']:.1f} ms, event bump {bump:.2f}x"
                    f", rotations/token {r['rotations_per_token']['total']:.1f}")
     result["memory"] = memory_table(args, cfg)
     result["machine"]["loadavg_end"] = os.getloadavg()

@@ -391,7 +391,7 @@ def replay_short_len(n_filler: int, window: int, block: int) -> int:
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 6 trials, cycles 2,4, float32, one cache spec")
+    p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 4 trials, cycles 2,4, float32, one cache spec")
     p.add_argument("--out", default=str(REPO_ROOT / "runs" / "exp_recall"), help="output directory")
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text file (default: Frankenstein)")
     p.add_argument("--facts", default=None,
@@ -425,7 +425,7 @@ def build_parser() -> Parser:
 def resolve_config(args) -> dict:
     q = args.quick
     cfg = {
-        "trials": args.trials if args.trials is not None else (6 if q else 40),
+        "trials": args.trials if args.trials is not None else (4 if q else 40),
         "cycles": parse_int_list(args.cycles, "--cycles") if args.cycles else ([2, 4] if q else [2, 4, 8, 16, 32, 64]),
         "dtypes": parse_choice_list(args.dtypes, "--dtypes", ("float32", "bfloat16")) if args.dtypes
         else (["float32"] if q else ["float32", "bfloat16"]),
@@ -437,7 +437,7 @@ def resolve_config(args) -> dict:
     }
     cfg["unprotected_arms"] = (parse_choice_list(args.unprotected_arms, "--unprotected-arms", ARMS)
                                if args.unprotected_arms else
-                               (["leave_gaps", "streamingllm", "rsqr"] if q else [a for a in ARMS if a != "full"]))
+                               (["streamingllm", "rsqr"] if q else [a for a in ARMS if a != "full"]))
     cfg["bf16_cycles"] = (parse_int_list(args.bf16_cycles, "--bf16-cycles") if args.bf16_cycles
                           else [c for c in cfg["cycles"] if c <= 16])
     cfg["unprotected_cycles"] = (parse_int_list(args.unprotected_cycles, "--unprotected-cycles")

@@ -1,0 +1,168 @@
+"""Speed-related changes that must not change results, and the analytic rotation counts of exp_latency.
+
+* bfloat16 caches on CPU run through the model as uint16 bits (rsqr_jax.stream / attention): bit-identical
+  to the plain bfloat16 path;
+* a Session compiles its step with the policy as constants: same tokens as the data-policy step;
+* greedy sampling skips the sort (lax.cond): same token as argmax, and temperature > 0 still samples;
+* scripts/exp_latency.py's positions-only rotation counts match what each policy is defined to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.llama import Llama, split_apply
+from rsqr_jax import policy as P
+from rsqr_jax import stream as S
+from rsqr_jax.cache import CacheSpec, init_cache
+from rsqr_jax.sampling import sample
+from rsqr_jax.session import Session
+from tests.tiny_model import tiny_config, tiny_weights
+
+REPO = Path(__file__).resolve().parent.parent
+CFG = tiny_config()
+
+
+@functools.lru_cache(maxsize=None)
+def _model(seed=0):
+    return split_apply(Llama(CFG, tiny_weights(CFG, seed), dtype=jnp.float32))
+
+
+BITS_POLICIES = [P.rsqr(6, 2, 2, 3, block=2), P.rerotate(6, 2, 2, 3, block=2), P.rsqr_precompute(6, 2, 2, 3),
+                 P.streamingllm(6, 2)]
+
+
+def test_bfloat16_bits_path_is_bit_identical(monkeypatch):
+    """Every write path (new K/V, rerotate hops, precompute refresh, streamingllm) under one vmapped batch."""
+    apply_fn, params = _model()
+    pols = P.stack_policies(BITS_POLICIES)
+    spec = CacheSpec.for_policies(BITS_POLICIES, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
+                                  head_dim=CFG.head_dim, dtype="bfloat16", max_chunk=3)
+    tokens = np.random.default_rng().integers(0, CFG.vocab_size, size=(1, 30)).astype(np.int32)
+    run = lambda: S.stream_nll(apply_fn, params, tokens, pols, spec, chunk=3, segment=9,  # noqa: E731
+                               vmap_policies=True)
+    nll_bits, cache_bits = run()
+    assert cache_bits.ring_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"  # the bits path ran
+    monkeypatch.setattr(S, "_bits_on_cpu", lambda cache: False)
+    S._RUNNERS.clear()
+    try:
+        nll_plain, cache_plain = run()
+    finally:
+        S._RUNNERS.clear()
+    assert np.isfinite(nll_bits).all()
+    np.testing.assert_array_equal(nll_bits, nll_plain)
+    for a, b in zip(jax.tree.leaves(cache_bits), jax.tree.leaves(cache_plain)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
+                                      np.atleast_1d(np.asarray(b)).view(np.uint8))
+
+
+SESSION_POLICIES = {"rsqr": P.rsqr(6, 2, 2, 3), "streamingllm": P.streamingllm(6, 2),
+                    "rerotate": P.rerotate(6, 2, 2, 3, block=3)}
+
+
+@pytest.mark.parametrize("name", list(SESSION_POLICIES))
+def test_session_constant_policy_step_matches_the_data_policy_step(name):
+    policy = SESSION_POLICIES[name]
+    apply_fn, params = _model(1)
+    spec = CacheSpec.for_policies(list(SESSION_POLICIES.values()), num_layers=CFG.num_layers,
+                                  num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim, max_chunk=4)
+    prompt = np.random.default_rng().integers(0, CFG.vocab_size, size=9)
+    s = Session(apply_fn, params, spec, policy, prefill_chunk=4)
+    s.feed(prompt)
+    got = s.generate(20)
+    # the same stream through the plain jitted step, policy passed as data (one compilation for all three)
+    run = _data_step(apply_fn)
+    cache, want, nxt = init_cache(spec), [], None
+    for start in range(0, prompt.size, 4):
+        part = prompt[start:start + 4]
+        logits, cache = run(params, jnp.asarray(np.pad(part, (0, 4 - part.size))[None], jnp.int32), cache, policy,
+                            jnp.int32(part.size))
+        nxt = int(jnp.argmax(logits[0, part.size - 1]))
+    for _ in range(20):
+        want.append(nxt)
+        logits, cache = run(params, jnp.asarray([[nxt]], jnp.int32), cache, policy, jnp.int32(1))
+        nxt = int(jnp.argmax(logits[0, 0]))
+    assert got == want
+
+
+_DATA_STEPS: dict = {}
+
+
+def _data_step(apply_fn):
+    if apply_fn not in _DATA_STEPS:
+        _DATA_STEPS[apply_fn] = jax.jit(lambda p, tok, c, pol, n: S.step(apply_fn, p, tok, c, pol, n))
+    return _DATA_STEPS[apply_fn]
+
+
+def test_greedy_sampling_is_argmax_and_temperature_still_samples():
+    logits = jnp.asarray(np.random.default_rng().normal(size=(3, 500)).astype(np.float32))
+    key = jax.random.PRNGKey(0)
+    greedy = sample(logits, key, jnp.float32(0.0), jnp.float32(1.0))
+    np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
+    draws = {tuple(np.asarray(sample(logits, jax.random.PRNGKey(i), jnp.float32(5.0), jnp.float32(1.0))))
+             for i in range(8)}
+    assert len(draws) > 1  # temperature 5 over 500 tokens: not the argmax every time
+
+
+def _exp_latency():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import exp_latency
+
+    return exp_latency
+
+
+def test_exp_latency_rotation_counts():
+    E = _exp_latency()
+    W, N, d, cap = 8, 2, 3, 3
+    pols = {"rsqr": P.rsqr(W, N, d, cap), "streamingllm": P.streamingllm(W, N),
+            "rerotate": P.rerotate(W, N, d, cap, block=4), "rsqr_precompute": P.rsqr_precompute(W, N, d, cap),
+            "leave_gaps": P.leave_gaps(W, N, d, cap), "replay": P.replay(W, N, d, cap, block=4)}
+    spec = CacheSpec.for_policies(list(pols.values()), num_layers=1, num_kv_heads=1, head_dim=4)
+    n = 24
+    counts = {}
+    for mode, pol in pols.items():
+        cache = E.advance_fn()(init_cache(spec), pol, 57)
+        assert int(cache.t) == 57
+        tr = {k: np.asarray(v) for k, v in E.trace_fn(n)(cache, pol).items()}
+        counts[mode] = (tr, E.rotation_counts(mode, tr))
+    tr, rot = counts["streamingllm"]  # every cached key (sinks + full window) rotated at its rank, every step
+    assert (rot["attention"] == N + W).all() and (rot["write"] == 0).all() and (rot["upkeep"] == 0).all()
+    tr, rot = counts["rsqr"]  # sinks + capped survivors rotated inside attention, plus the new key
+    assert (rot["attention"] == N + cap).all() and (rot["write"] == 1).all() and not rot["event"].any()
+    tr, rot = counts["leave_gaps"]  # nothing but the new key (and its survivor copy when flagged)
+    assert (rot["attention"] == 0).all() and set(rot["write"]) == {1, 2} and not rot["event"].any()
+    tr, rot = counts["rerotate"]  # hops only when the window releases a block or a survivor is dropped
+    assert rot["event"].any() and (~rot["event"]).any()
+    assert (rot["event"] <= ((tr["release"] > 0) | (tr["dropped"] > 0))).all()
+    assert rot["upkeep"].max() <= N + cap + W + 3
+    tr, rot = counts["rsqr_precompute"]  # refresh only when ranks change: a drop or a new survivor
+    assert (rot["attention"] == 0).all() and (rot["write"] == 1).all()
+    drop = tr["dropped"] > 0  # steady state: each new survivor pushes the oldest out, every survivor's rank moves
+    assert drop.sum() == n // d and (rot["event"] == drop).all() and (rot["upkeep"][drop] == cap).all()
+    tr, rot = counts["replay"]  # every block release recomputes all cached tokens
+    assert (tr["replay"] <= tr["release"]).all() and tr["replay"].sum() == n // 4
+    assert (rot["upkeep"][tr["replay"] > 0] == rot["n_cached"][tr["replay"] > 0]).all()
+
+
+@pytest.mark.parametrize("script,args,fragment", [
+    ("bench_decode.py", ["--cached", "0"], "must be positive"),
+    ("bench_decode.py", ["--policy", "sinkcache", "--no-hf"], "unknown policy"),
+    ("exp_latency.py", ["--policies", "nope"], "unknown policy name"),
+    ("exp_latency.py", ["--positions", "5000", "1000"], "increasing"),
+])
+def test_bad_input_is_one_line(script, args, fragment):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
