@@ -80,7 +80,7 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     den = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))  # exact at k = 0 and k = n
 
 
 def parse_int_list(text: str, flag: str) -> list[int]:
@@ -624,7 +624,8 @@ def plot(summary: list[dict], path: Path) -> None:
                 continue
             x = [r["n_cycles"] * 2 ** (0.035 * (ARMS.index(arm) - 3)) for r in rows]  # jitter: visible overlaps
             y = [100 * r["acc"] for r in rows]
-            err = [[100 * (r["acc"] - r["wilson_lo"]) for r in rows], [100 * (r["wilson_hi"] - r["acc"]) for r in rows]]
+            err = [[max(0.0, 100 * (r["acc"] - r["wilson_lo"])) for r in rows],
+                   [max(0.0, 100 * (r["wilson_hi"] - r["acc"])) for r in rows]]
             ax.errorbar(x, y, yerr=err, marker="o", ms=3, capsize=2, lw=1, color=colors[arm], label=arm)
         n = max(s["trials"] for s in summary if (s["variant"], s["dtype"]) == (variant, dtype))
         ax.set_title(f"{variant}, {dtype} (n={n}/cell)", fontsize=9)

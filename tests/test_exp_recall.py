@@ -37,9 +37,11 @@ def test_wilson_interval_known_values():
     assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
     lo, hi = er.wilson(40, 40)
     assert hi == 1.0 and lo == pytest.approx(0.9124, abs=1e-4)
-    for k in range(0, 41, 5):
-        lo, hi = er.wilson(k, 40)
-        assert lo <= k / 40 <= hi
+    for n in range(1, 101):  # the bounds contain the estimate exactly, also at k = 0 and k = n
+        for k in range(n + 1):
+            lo, hi = er.wilson(k, n)
+            assert 0 <= lo <= k / n <= hi <= 1, (k, n)
+        assert er.wilson(n, n)[1] == 1.0 and er.wilson(0, n)[0] == 0.0
 
 
 def test_answer_scoring():
