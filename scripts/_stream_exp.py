@@ -24,10 +24,22 @@ class Timer:
         self.cpu = time.process_time() - self.c0
 
 
+class Interrupted(Exception):
+    """SIGTERM/SIGINT during a run; `partial` holds {key: NLL scored so far} of the interrupted batch."""
+
+    def __init__(self, partial: dict, timing: dict):
+        super().__init__("interrupted")
+        self.partial, self.timing = partial, timing
+
+
 def stream_policies(loaded, apply_fn, params, ids, policies: dict, *, chunk: int = 1, segment: int = 256,
-                    label: str = "") -> tuple[dict, dict]:
-    """Stream the token ids through every policy of {key: Policy} in ONE vmapped stream_nll call (one
-    compilation, weights shared). Returns ({key: per-token NLL float64 [T-1]}, timing dict)."""
+                    label: str = "", piece_segments: int = 8) -> tuple[dict, dict]:
+    """Stream the token ids through every policy of {key: Policy} in ONE vmapped stream_nll evaluation (one
+    compilation, weights shared). Returns ({key: per-token NLL float64 [T-1]}, timing dict).
+
+    The stream is fed in pieces of piece_segments * segment scored tokens, the cache carried from piece to
+    piece (exactly the same computation: only the last piece is padded); an interruption (KeyboardInterrupt,
+    which the scripts raise on SIGTERM) raises Interrupted with the NLL of the pieces already done."""
     from rsqr_jax import policy as P
     from rsqr_jax.cache import CacheSpec
     from rsqr_jax.stream import stream_nll
@@ -35,33 +47,55 @@ def stream_policies(loaded, apply_fn, params, ids, policies: dict, *, chunk: int
     cfg = loaded.config
     keys = list(policies)
     pols = [policies[k] for k in keys]
-    batch = P.stack_policies(pols) if len(pols) > 1 else pols[0]
+    vmap = len(pols) > 1
+    batch = P.stack_policies(pols) if vmap else pols[0]
     spec = CacheSpec.for_policies(pols, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, dtype=loaded.dtype, max_chunk=chunk, max_len=len(ids))
     n = len(ids) - 1
+    piece = max(1, piece_segments) * segment
     t_seg = [time.perf_counter()]
+    done_before = [0]
 
     def progress(done):
         t_seg.append(time.perf_counter())
         dt = t_seg[-1] - t_seg[-2]
-        status(f"  [{label}] {done}/{n} tokens ({dt:.1f}s for the last segment)")
+        status(f"  [{label}] {done_before[0] + done}/{n} tokens ({dt:.1f}s for the last segment)")
 
-    status(f"[{label}] {len(keys)} polic{'ies' if len(keys) > 1 else 'y'} ({', '.join(keys)}), {loaded.dtype}, "
+    def timing(tm, scored):
+        seg_times = np.diff(t_seg)
+        steady = float(np.median(seg_times[1:])) / segment if len(seg_times) > 2 else None
+        return {"label": label, "policies": keys, "dtype": loaded.dtype, "chunk": chunk, "tokens": scored + 1,
+                "wall_s": tm.wall, "cpu_s": tm.cpu,
+                "first_segment_s": float(seg_times[0]) if len(seg_times) else None, "steady_s_per_token": steady}
+
+    def as_dict(parts):
+        if not parts:
+            return {k: np.zeros(0) for k in keys}
+        nll = np.concatenate([np.asarray(x, np.float64) for x in parts], axis=-1)
+        nll = nll[:, 0] if vmap else nll[None, 0]
+        return {k: nll[i] for i, k in enumerate(keys)}
+
+    status(f"[{label}] {len(keys)} polic{'ies' if vmap else 'y'} ({', '.join(keys)}), {loaded.dtype}, "
            f"chunk {chunk}, {len(ids)} tokens")
+    parts, cache = [], None
     with Timer() as tm:
-        nll, _ = stream_nll(apply_fn, params, np.asarray([ids]), batch, spec, chunk=chunk, segment=segment,
-                            progress=progress, vmap_policies=len(pols) > 1)
-    nll = np.asarray(nll, np.float64)
-    nll = nll[:, 0] if len(pols) > 1 else nll[None, 0]
-    out = {k: nll[i] for i, k in enumerate(keys)}
-    seg_times = np.diff(t_seg)
-    steady = float(np.median(seg_times[1:])) / segment if len(seg_times) > 2 else None
-    timing = {"label": label, "policies": keys, "dtype": loaded.dtype, "chunk": chunk, "tokens": len(ids),
-              "wall_s": tm.wall, "cpu_s": tm.cpu, "first_segment_s": float(seg_times[0]) if len(seg_times) else None,
-              "steady_s_per_token": steady}
+        try:
+            for a in range(0, n, piece):
+                b = min(a + piece, n)
+                done_before[0] = a
+                nll, cache = stream_nll(apply_fn, params, np.asarray([ids[a:b + 1]]), batch, spec, chunk=chunk,
+                                        segment=segment, progress=progress, vmap_policies=vmap, cache=cache)
+                parts.append(nll)
+        except KeyboardInterrupt:
+            tm.__exit__()
+            scored = sum(np.shape(x)[-1] for x in parts)
+            status(f"[{label}] interrupted after {scored} scored tokens")
+            raise Interrupted(as_dict(parts), timing(tm, scored)) from None
+    out = as_dict(parts)
+    tmg = timing(tm, n)
     status(f"[{label}] done in {tm.wall:.0f}s wall, {tm.cpu:.0f}s CPU"
-           + (f"; steady {1000 * steady:.0f} ms/token (wall)" if steady else ""))
-    return out, timing
+           + (f"; steady {1000 * tmg['steady_s_per_token']:.0f} ms/token (wall)" if tmg["steady_s_per_token"] else ""))
+    return out, tmg
 
 
 def hf_reference_nll(model_path: str, ids, *, chunk: int = 512) -> tuple[np.ndarray, dict]:

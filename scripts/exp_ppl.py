@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import numpy as np
 
 from _common import DEFAULT_TEXT, Parser, UsageError, run_main, status
-from _stream_exp import Timer, check_finite, ppl, ppl_curve, stream_policies
+from _stream_exp import Interrupted, Timer, check_finite, ppl, ppl_curve, stream_policies
 
 VMAPPED = ("window", "streamingllm", "leave_gaps", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute")
 ALL = ("full",) + VMAPPED + ("replay",)
@@ -57,9 +58,13 @@ def build_parser() -> Parser:
     p.add_argument("--replay-block", type=int, default=None, help="replay eviction block (default 32; --quick 16)")
     p.add_argument("--bucket", type=int, default=None, help="tokens per point of the curves (default 1000; --quick 128)")
     p.add_argument("--segment", type=int, default=256, help="tokens per jitted call")
+    p.add_argument("--piece-segments", type=int, default=8,
+                   help="segments per piece: the unit kept when a run is interrupted (SIGTERM/Ctrl-C)")
     p.add_argument("--quick", action="store_true", help="tiny configuration for CI")
     p.add_argument("--out", default=None, help="output directory (default runs/exp_ppl[_quick])")
     p.add_argument("--plot", default=None, help="PNG path (default OUT/exp_ppl.png)")
+    p.add_argument("--rescore", default=None, metavar="DIR",
+                   help="no model runs: rebuild DIR's tables and plot (--plot) from its exp_ppl.json and nll_*.npy")
     return p
 
 
@@ -115,6 +120,8 @@ def parse(args) -> dict:
 
 def main() -> int:
     args = build_parser().parse_args()
+    if args.rescore:
+        return rescore(args.rescore, args.plot or os.path.join(args.rescore, "exp_ppl.png"))
     cfg = parse(args)
     T, windows, dtypes, pols, cell_tokens = cfg["T"], cfg["windows"], cfg["dtypes"], cfg["pols"], cfg["cell_tokens"]
     full_T, replay_b, bucket = cfg["full_T"], cfg["replay_b"], cfg["bucket"]
@@ -143,38 +150,55 @@ def main() -> int:
         return P.make_policy(key, window=W, **kw)
 
     max_T = max([T] + list(cell_tokens.values()))
-    cells, timings = [], []
+    cells, timings, interrupted = [], [], None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)  # a killed run still writes what it finished (see Interrupted)
+
+    def cell(W, dtype, Tc, runs):
+        cells.append({"window": W, "dtype": dtype, "tokens": Tc, "nll": runs,
+                      "names": {k: (P.full() if k == "full" else make(k, W)).name for k in runs}})
+
     with Timer() as total:
-        for dtype in dtypes:
-            lm = load_model(None, dtype)
-            apply_fn, params = split_apply(lm.model)
-            ids_all = read_tokens(lm.tokenizer, args.text, max_T)
-            full_run = None
-            if "full" in pols[dtype]:
-                nll, tm = stream_policies(lm, apply_fn, params, ids_all[:full_T], {"full": P.full()},
-                                          chunk=args.full_chunk, segment=args.segment, label=f"full {dtype}")
-                full_run = nll["full"]
-                timings.append(tm)
-            for W in windows:
-                Tc = cell_tokens.get((W, dtype), T)
-                ids = ids_all[:Tc]
-                runs = {}
-                batch = {k: make(k, W) for k in VMAPPED if k in pols[dtype]}
-                if batch:
-                    nll, tm = stream_policies(lm, apply_fn, params, ids, batch, segment=args.segment,
-                                              label=f"W={W} {dtype}")
-                    runs.update(nll)
+        runs, W, dtype, Tc = {}, None, None, 0
+        try:
+            for dtype in dtypes:
+                lm = load_model(None, dtype)
+                apply_fn, params = split_apply(lm.model)
+                ids_all = read_tokens(lm.tokenizer, args.text, max_T)
+                full_run, W, runs = None, None, {}
+                if "full" in pols[dtype]:
+                    nll, tm = stream_policies(lm, apply_fn, params, ids_all[:full_T], {"full": P.full()},
+                                              chunk=args.full_chunk, segment=args.segment, label=f"full {dtype}", piece_segments=args.piece_segments)
+                    full_run = nll["full"]
                     timings.append(tm)
-                if "replay" in pols[dtype]:
-                    nll, tm = stream_policies(lm, apply_fn, params, ids[:replay_T(W, Tc)],
-                                              {"replay": make("replay", W)}, segment=args.segment,
-                                              label=f"replay W={W} {dtype}")
-                    runs.update(nll)
-                    timings.append(tm)
-                if full_run is not None:
-                    runs = {"full": full_run, **runs}
-                cells.append({"window": W, "dtype": dtype, "tokens": Tc, "nll": runs,
-                              "names": {k: (P.full() if k == "full" else make(k, W)).name for k in runs}})
+                for W in windows:
+                    Tc = cell_tokens.get((W, dtype), T)
+                    ids = ids_all[:Tc]
+                    runs = {} if full_run is None else {"full": full_run}
+                    batch = {k: make(k, W) for k in VMAPPED if k in pols[dtype]}
+                    if batch:
+                        nll, tm = stream_policies(lm, apply_fn, params, ids, batch, segment=args.segment,
+                                                  label=f"W={W} {dtype}", piece_segments=args.piece_segments)
+                        runs.update(nll)
+                        timings.append(tm)
+                    if "replay" in pols[dtype]:
+                        nll, tm = stream_policies(lm, apply_fn, params, ids[:replay_T(W, Tc)],
+                                                  {"replay": make("replay", W)}, segment=args.segment,
+                                                  label=f"replay W={W} {dtype}",
+                                                  piece_segments=args.piece_segments)
+                        runs.update(nll)
+                        timings.append(tm)
+                    cell(W, dtype, Tc, runs)
+                    runs = {}
+        except Interrupted as e:
+            timings.append(e.timing)
+            interrupted = {"during": e.timing["label"], "scored_tokens": e.timing["tokens"] - 1}
+            runs.update({k: v for k, v in e.partial.items() if v.size})
+            if W is not None and runs:
+                cell(W, dtype, Tc, runs)
 
     result = summarize(cells, bucket)
     result.update(config={"text": os.path.abspath(args.text), "tokens": T, "cell_tokens": {f"{w}/{d}": n for (w, d), n in
@@ -184,10 +208,15 @@ def main() -> int:
                           "full_tokens": full_T, "full_chunk": args.full_chunk,
                           "replay_tokens": {str(W): replay_T(W, T) for W in windows},
                           "replay_block": replay_b, "bucket": bucket, "quick": args.quick},
-                  timings=timings, total_wall_s=total.wall, total_cpu_s=total.cpu)
+                  timings=timings, total_wall_s=total.wall, total_cpu_s=total.cpu, interrupted=interrupted)
     for c in cells:
         for k, v in c["nll"].items():
             np.save(os.path.join(out_dir, f"nll_W{c['window']}_{c['dtype']}_{k}.npy"), v.astype(np.float32))
+    write(out_dir, result, plot_path)
+    return 3 if interrupted else 0
+
+
+def write(out_dir: str, result: dict, plot_path: str) -> None:
     with open(os.path.join(out_dir, "exp_ppl.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, plot_path)
@@ -195,7 +224,27 @@ def main() -> int:
     with open(os.path.join(out_dir, "exp_ppl.md"), "w") as f:
         f.write(md)
     print(md)
-    status(f"wrote {out_dir}/exp_ppl.json, exp_ppl.md, {plot_path} ({total.wall:.0f}s wall, {total.cpu:.0f}s CPU)")
+    i = result.get("interrupted")
+    status(f"wrote {out_dir}/exp_ppl.json, exp_ppl.md, {plot_path} ({result['total_wall_s']:.0f}s wall, "
+           f"{result['total_cpu_s']:.0f}s CPU)" + (f"; INTERRUPTED during {i['during']}: partial results" if i else ""))
+
+
+def rescore(out_dir: str, plot_path: str) -> int:
+    """Rebuild the summary, tables and plot of an earlier run from its saved per-token NLL (no model runs)."""
+    path = os.path.join(out_dir, "exp_ppl.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"--rescore: {path} not found")
+    with open(path) as f:
+        old = json.load(f)
+    cells = []
+    for c in old["cells"]:
+        nll = {k: np.load(os.path.join(out_dir, f"nll_W{c['window']}_{c['dtype']}_{k}.npy")).astype(np.float64)
+               for k in c["runs"]}
+        cells.append({"window": c["window"], "dtype": c["dtype"], "tokens": c["tokens"], "nll": nll,
+                      "names": {k: r["name"] for k, r in c["runs"].items()}})
+    result = summarize(cells, old["config"]["bucket"])
+    result.update({k: old.get(k) for k in ("config", "timings", "total_wall_s", "total_cpu_s", "interrupted")})
+    write(out_dir, result, plot_path)
     return 0
 
 
@@ -245,6 +294,13 @@ def markdown(result: dict) -> str:
                 short = f" (n={r['n_scored'] + 1})" if r["n_scored"] + 1 < c["tokens"] else ""
                 vals.append(f"{r['ppl']:.3f}{short}")
         lines.append(f"| {k} | " + " | ".join(vals) + " |")
+    if any(c["n_common"] + 1 < c["tokens"] for c in cells):
+        lines += ["", "Perplexity over the prefix every run of the cell scored (comparable with the shorter runs):", "",
+                  "| policy | " + " | ".join(f"W={c['window']} {c['dtype']} (first {c['n_common'] + 1} tok)"
+                                             for c in cells) + " |", "|---|" + "---:|" * len(cells)]
+        for k in keys:
+            lines.append(f"| {k} | " + " | ".join(f"{c['runs'][k]['ppl_common']:.3f}" if k in c["runs"] else "–"
+                                                   for c in cells) + " |")
     lines += ["", "Same token set as rsqr float32 (the oracle): mean |ΔNLL| per token and relative Δppl vs the oracle.",
               "", "| policy | " + " | ".join(head) + " |", "|---|" + "---:|" * len(cells)]
     for k in ("rsqr", "rsqr_precompute", "rerotate"):
@@ -270,6 +326,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {t['label']} | {', '.join(t['policies'])} | {t['tokens']} | {t['wall_s']:.0f} | "
                      f"{t['cpu_s']:.0f} | {'–' if st is None else f'{st:.3f}'} |")
     lines.append(f"\nTotal: {result['total_wall_s']:.0f} s wall, {result['total_cpu_s']:.0f} s CPU.")
+    if result.get("interrupted"):
+        i = result["interrupted"]
+        lines.append(f"\n**Interrupted** during `{i['during']}` after {i['scored_tokens']} scored tokens: partial results.")
     return "\n".join(lines) + "\n"
 
 
@@ -278,9 +337,12 @@ def plot(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     cells = result["cells"]
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 3.6), squeeze=False, sharey=True)
+    if not cells:
+        return
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells) + 1.6, 3.6), squeeze=False, sharey=True)
     style = {"full": ("k", "-"), "window": ("tab:red", "-"), "streamingllm": ("tab:blue", "-"),
              "leave_gaps": ("tab:olive", "--"), "rerotate": ("tab:orange", "-"), "rerotate_b8": ("tab:orange", ":"),
              "rsqr": ("tab:green", "-"), "rsqr_precompute": ("tab:green", "--"), "replay": ("tab:purple", "-")}
@@ -290,11 +352,14 @@ def plot(result: dict, path: str) -> None:
             col, ls = style.get(k, ("gray", "-"))
             ax.plot(x, [p["ppl"] for p in r["curve"]], color=col, ls=ls, marker=".", ms=3, lw=1, label=k)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_title(f"W={c['window']}, {c['dtype']}", fontsize=9)
         ax.set_xlabel("token position (k)")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(f"perplexity per {result['config']['bucket']} tokens")
-    axes[0][-1].legend(fontsize=7, loc="upper right")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=90)

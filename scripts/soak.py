@@ -10,7 +10,8 @@ per policy). Criteria, each PASS/FAIL in the printed verdict and JSON:
 
 * cache_bytes_constant: bytes of the cache pytree and of all live JAX arrays are the same at every
   checkpoint after warm-up;
-* rss_growth: resident memory (VmRSS) grows by < 2% from the end of warm-up to the end;
+* rss_growth: resident memory (VmRSS) grows by < 2% from the end of warm-up to the end (median of the
+  last 3 checkpoints over the smallest of the first 3, so one transient spike does not decide it);
 * finite_logits: no NaN/inf in any logit of any step (checked inside the step, every logit);
 * no_recompile: no XLA compilation (jax.monitoring backend-compile events) and no retrace of the step
   after the first step;
@@ -29,6 +30,7 @@ import json
 import math
 import os
 import platform
+import signal
 import time
 
 from _common import (DEFAULT_TEXT, Parser, UsageError, add_model_args, check_model_args, load_model_from_args,
@@ -210,85 +212,116 @@ def main() -> int:
                             "live_bytes": live_bytes(), "compiles": len(compiles),
                             "traces": sum(s.traces for s in steppers), "elapsed_s": time.perf_counter() - t_start})
 
-    t_loop = time.perf_counter()
-    for t in range(T):
-        c0, t0 = time.process_time(), time.perf_counter()
-        vals, ok = [], True
-        for s in steppers:
-            v, o = s(int(stream[t]), int(stream[t + 1]))
-            vals.append(np.atleast_1d(v))
-            ok &= o
-        lat_ms[t] = 1e3 * (time.perf_counter() - t0)
-        cpu_ms[t] = 1e3 * (time.process_time() - c0)
-        nll[:, t] = np.concatenate(vals)
-        if not ok:
-            nonfinite_steps.append(t)
-        if t == 0:
-            compiles_after_first = len(compiles)
-            traces_after_first = sum(s.traces for s in steppers)
-        if (t + 1) == args.warmup or ((t + 1) > args.warmup and (t + 1) % args.check_every == 0) or t + 1 == T:
-            if not checkpoints or checkpoints[-1]["tokens"] != t + 1:
-                checkpoint(t + 1)
-        if (t + 1) % 5000 == 0:
-            status(f"{t + 1}/{T} tokens, {lat_ms[max(0, t - 999):t + 1].mean():.1f} ms/token, "
-                   f"RSS {rss_bytes() / 2**20:.0f} MiB")
-    loop_s = time.perf_counter() - t_loop
+    def report(n: int, final: bool) -> dict:
+        """Verdict over the first n tokens; JSON written every time (a killed run keeps its partial result)."""
+        after = [c for c in checkpoints if c["tokens"] >= args.warmup] or checkpoints[-1:]
+        base = after[0]
+        cache_const = all(c["cache_bytes"] == base["cache_bytes"] and c["live_bytes"] == base["live_bytes"]
+                          for c in after)
+        # growth = median of the last 3 checkpoints over the smallest of the first 3 (so a transient spike -
+        # allocator arenas, thread stacks - neither hides nor fakes a leak); the largest excursion is reported
+        rss_base = min(c["rss"] for c in after[:3])
+        rss_end = float(np.median([c["rss"] for c in after[-3:]]))
+        rss_growth = rss_end / rss_base - 1.0
+        rss_max_growth = max(c["rss"] for c in after) / rss_base - 1.0
+        new_compiles = len(compiles) - compiles_after_first
+        new_traces = sum(s.traces for s in steppers) - traces_after_first
+        Lw, W0 = args.latency_window, args.warmup
+        lat, cpu = lat_ms[:n], cpu_ms[:n]
+        first_p50, last_p50 = float(np.median(lat[W0:W0 + Lw])), float(np.median(lat[n - Lw:]))
+        cpu_first, cpu_last = float(np.median(cpu[W0:W0 + Lw])), float(np.median(cpu[n - Lw:]))
+        crit = {
+            "cache_bytes_constant": {"pass": cache_const, "cache_bytes": base["cache_bytes"],
+                                     "live_bytes": sorted({c["live_bytes"] for c in after}),
+                                     "cache_bytes_seen": sorted({c["cache_bytes"] for c in after})},
+            "rss_growth": {"pass": rss_growth < args.rss_tolerance, "growth": rss_growth,
+                           "max_excursion": rss_max_growth, "rss_after_warmup": rss_base, "rss_end": rss_end,
+                           "tolerance": args.rss_tolerance},
+            "finite_logits": {"pass": not nonfinite_steps, "nonfinite_steps": len(nonfinite_steps),
+                              "first": nonfinite_steps[:10]},
+            "no_recompile": {"pass": new_compiles == 0 and new_traces == 0,
+                             "compiles_first_step": compiles_after_first, "compiles_after_first_step": new_compiles,
+                             "traces_after_first_step": new_traces},
+            "flat_latency": {"pass": last_p50 <= args.latency_tolerance * first_p50, "first_p50_ms": first_p50,
+                             "last_p50_ms": last_p50, "ratio": last_p50 / first_p50,
+                             "tolerance": args.latency_tolerance, "first_window": [W0, W0 + Lw],
+                             "last_window": [n - Lw, n], "cpu_first_p50_ms": cpu_first, "cpu_last_p50_ms": cpu_last,
+                             "cpu_ratio": cpu_last / cpu_first},
+        }
+        bucket = 10_000 if n >= 20_000 else 1000
+        ppl = {p.name: [float(math.exp(float(nll[i, s:min(s + bucket, n)].mean()))) for s in range(0, n, bucket)]
+               for i, p in enumerate(policies)}
+        loop_s = time.perf_counter() - t_loop
+        result = {
+            "args": vars(args), "policies": [p.name for p in policies], "tokens": n, "tokens_requested": T,
+            "complete": n == T, "verdict": "PASS" if all(c["pass"] for c in crit.values()) else "FAIL",
+            "criteria": crit, "loop_s": loop_s, "ms_per_token_mean": float(lat[W0:].mean()),
+            "latency_ms": {"p50": float(np.median(lat[W0:])), "p99": float(np.percentile(lat[W0:], 99)),
+                           "per_1k_p50": [float(np.median(lat[s:s + 1000])) for s in range(0, n, 1000)],
+                           "cpu_per_1k_p50": [float(np.median(cpu[s:s + 1000])) for s in range(0, n, 1000)]},
+            "ppl_buckets": {"bucket": bucket, **ppl}, "checkpoints": checkpoints,
+            "cache_bytes_by_part": [s.bytes_by_part(p) for s, p in zip(specs * P if len(specs) == 1 else specs,
+                                                                      policies)],
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+                        "loadavg_end": os.getloadavg()},
+            "mode": "separate" if args.separate else "vmapped",
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)
+        if final:
+            print(f"soak: {n} tokens{'' if n == T else f' of {T} (interrupted)'} x {P} policies "
+                  f"({', '.join(result['policies'])}), {'tiny model, ' if args.tiny else ''}weights {args.dtype}, "
+                  f"cache {args.cache_dtype}, {result['mode']}, {loop_s:.0f}s ({1e3 * loop_s / max(n, 1):.1f} ms/step)")
+            for name, c in crit.items():
+                detail = {k: v for k, v in c.items() if k != "pass"}
+                print(f"{'PASS' if c['pass'] else 'FAIL'} {name}: {json.dumps(detail)}")
+            print(f"verdict: {result['verdict']}{'' if n == T else ' (partial run)'}")
+            status(f"wrote {args.out}")
+        return result
 
-    # ---- verdict
-    after = [c for c in checkpoints if c["tokens"] >= args.warmup]
-    base = after[0]
-    cache_const = all(c["cache_bytes"] == base["cache_bytes"] and c["live_bytes"] == base["live_bytes"] for c in after)
-    rss_growth = after[-1]["rss"] / base["rss"] - 1.0
-    rss_max_growth = max(c["rss"] for c in after) / base["rss"] - 1.0
-    new_compiles = len(compiles) - compiles_after_first
-    new_traces = sum(s.traces for s in steppers) - traces_after_first
-    Lw, W0 = args.latency_window, args.warmup
-    first_p50 = float(np.median(lat_ms[W0:W0 + Lw]))
-    last_p50 = float(np.median(lat_ms[T - Lw:]))
-    cpu_first, cpu_last = float(np.median(cpu_ms[W0:W0 + Lw])), float(np.median(cpu_ms[T - Lw:]))
-    crit = {
-        "cache_bytes_constant": {"pass": cache_const, "cache_bytes": base["cache_bytes"],
-                                 "live_bytes": sorted({c["live_bytes"] for c in after}),
-                                 "cache_bytes_seen": sorted({c["cache_bytes"] for c in after})},
-        "rss_growth": {"pass": rss_growth < args.rss_tolerance and rss_max_growth < args.rss_tolerance,
-                       "growth": rss_growth, "max_growth": rss_max_growth, "rss_after_warmup": base["rss"],
-                       "rss_end": after[-1]["rss"], "tolerance": args.rss_tolerance},
-        "finite_logits": {"pass": not nonfinite_steps, "nonfinite_steps": len(nonfinite_steps),
-                          "first": nonfinite_steps[:10]},
-        "no_recompile": {"pass": new_compiles == 0 and new_traces == 0, "compiles_first_step": compiles_after_first,
-                         "compiles_after_first_step": new_compiles, "traces_after_first_step": new_traces},
-        "flat_latency": {"pass": last_p50 <= args.latency_tolerance * first_p50, "first_p50_ms": first_p50,
-                         "last_p50_ms": last_p50, "ratio": last_p50 / first_p50, "tolerance": args.latency_tolerance,
-                         "first_window": [W0, W0 + Lw], "last_window": [T - Lw, T],
-                         "cpu_first_p50_ms": cpu_first, "cpu_last_p50_ms": cpu_last, "cpu_ratio": cpu_last / cpu_first},
-    }
-    bucket = 10_000 if T >= 20_000 else 1000
-    ppl = {p.name: [float(math.exp(float(nll[i, s:s + bucket].mean()))) for s in range(0, T, bucket)]
-           for i, p in enumerate(policies)}
-    result = {
-        "args": vars(args), "policies": [p.name for p in policies], "tokens": T,
-        "verdict": "PASS" if all(c["pass"] for c in crit.values()) else "FAIL", "criteria": crit,
-        "loop_s": loop_s, "ms_per_token_mean": float(lat_ms[W0:].mean()),
-        "latency_ms": {"p50": float(np.median(lat_ms[W0:])), "p99": float(np.percentile(lat_ms[W0:], 99)),
-                       "per_1k_p50": [float(np.median(lat_ms[s:s + 1000])) for s in range(0, T, 1000)],
-                       "cpu_per_1k_p50": [float(np.median(cpu_ms[s:s + 1000])) for s in range(0, T, 1000)]},
-        "ppl_buckets": {"bucket": bucket, **ppl}, "checkpoints": checkpoints,
-        "cache_bytes_by_part": [s.bytes_by_part(p) for s, p in zip(specs * P if len(specs) == 1 else specs, policies)],
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-                    "loadavg_end": os.getloadavg()},
-        "mode": "separate" if args.separate else "vmapped",
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"soak: {T} tokens x {P} policies ({', '.join(result['policies'])}), {'tiny model, ' if args.tiny else ''}"
-          f"weights {args.dtype}, cache {args.cache_dtype}, {result['mode']}, "
-          f"{loop_s:.0f}s ({1e3 * loop_s / T:.1f} ms/step)")
-    for name, c in crit.items():
-        detail = {k: v for k, v in c.items() if k != "pass"}
-        print(f"{'PASS' if c['pass'] else 'FAIL'} {name}: {json.dumps(detail)}")
-    print(f"verdict: {result['verdict']}")
-    status(f"wrote {args.out}")
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    t_loop = time.perf_counter()
+    done = 0
+    try:
+        for t in range(T):
+            c0, t0 = time.process_time(), time.perf_counter()
+            vals, ok = [], True
+            for s in steppers:
+                v, o = s(int(stream[t]), int(stream[t + 1]))
+                vals.append(np.atleast_1d(v))
+                ok &= o
+            lat_ms[t] = 1e3 * (time.perf_counter() - t0)
+            cpu_ms[t] = 1e3 * (time.process_time() - c0)
+            nll[:, t] = np.concatenate(vals)
+            if not ok:
+                nonfinite_steps.append(t)
+            if t == 0:
+                compiles_after_first = len(compiles)
+                traces_after_first = sum(s.traces for s in steppers)
+            done = t + 1
+            if done == args.warmup or (done > args.warmup and done % args.check_every == 0) or done == T:
+                if not checkpoints or checkpoints[-1]["tokens"] != done:
+                    checkpoint(done)
+                if done < T:  # progress line + partial JSON at every checkpoint: a killed run keeps its result
+                    last = lat_ms[max(0, done - args.check_every):done]
+                    status(f"{done}/{T} tokens, {last.mean():.1f} ms/token, RSS {rss_bytes() / 2**20:.0f} MiB")
+                    if done >= args.warmup + 2 * args.latency_window:
+                        report(done, final=False)
+    except KeyboardInterrupt:
+        need = args.warmup + 2 * args.latency_window
+        if done < need:
+            status(f"interrupted after {done} tokens: too few for a verdict (needs {need}); nothing written")
+            return 130
+        status(f"interrupted after {done} tokens")
+        report(done, final=True)  # memory criteria over the regular checkpoints (a step may be half done)
+        return 130
+    result = report(T, final=True)
     return 0 if result["verdict"] == "PASS" else 1
 
 

@@ -64,3 +64,27 @@ def test_sanity_bounds(ppl_run):
         assert abs(runs[key]["rel_dppl_vs_oracle"]) < 1e-3, key
     # Full attention sees every token: no bounded policy does better on this text (replay scores a shorter prefix).
     assert runs["full"]["ppl"] <= min(r["ppl"] for k, r in runs.items() if k not in ("full", "replay")) * 1.001
+
+
+def test_rescore_rebuilds_the_same_tables(ppl_run, tmp_path):
+    """--rescore recomputes every number of the summary from the saved per-token NLL, without the model."""
+    import shutil
+
+    out, res = ppl_run
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    (copy / "exp_ppl.md").unlink()
+    (copy / "exp_ppl.png").unlink()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_ppl.py"), "--rescore", str(copy)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads((copy / "exp_ppl.json").read_text())
+    for key, r in res["cells"][0]["runs"].items():
+        r2 = again["cells"][0]["runs"][key]
+        assert r2["n_scored"] == r["n_scored"] and math.isclose(r2["ppl"], r["ppl"], rel_tol=1e-6), key
+        assert [p["ppl"] for p in r2["curve"]] == pytest.approx([p["ppl"] for p in r["curve"]], rel=1e-6)
+    assert (copy / "exp_ppl.md").read_text() == (out / "exp_ppl.md").read_text()
+    assert (copy / "exp_ppl.png").is_file()
+    missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_ppl.py"), "--rescore", str(tmp_path / "no")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr

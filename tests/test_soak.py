@@ -4,6 +4,7 @@ failure, and bad input. The real-model soak (100k tokens) is documented in docs/
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,33 @@ def test_soak_reports_a_failed_criterion(tmp_path, smollm2_path):
     d = json.loads(out.read_text())
     assert d["verdict"] == "FAIL" and not d["criteria"]["rss_growth"]["pass"]
     assert "FAIL rss_growth:" in proc.stdout and "verdict: FAIL" in proc.stdout
+
+
+@pytest.mark.slow
+def test_soak_killed_midway_keeps_a_partial_verdict(tmp_path, smollm2_path):
+    """SIGTERM mid-stream: exit 130, and the JSON holds the verdict over the tokens actually streamed."""
+    out = tmp_path / "soak.json"
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "soak.py"), "--tiny", "--tokens", "100000",
+                             "--warmup", "100", "--latency-window", "100", "--check-every", "100", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        for line in proc.stderr:  # progress lines "N/100000 tokens, ..." once per checkpoint
+            if line.startswith("600/100000 tokens"):
+                break
+        else:
+            pytest.fail(f"no progress line; exit {proc.wait()}")
+        assert json.loads(out.read_text())["complete"] is False  # partial JSON already on disk
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    d = json.loads(out.read_text())
+    assert 600 <= d["tokens"] < 100000 and d["tokens_requested"] == 100000 and d["complete"] is False
+    assert set(d["criteria"]) == set(CRITERIA)
+    assert d["criteria"]["cache_bytes_constant"]["pass"] and d["criteria"]["finite_logits"]["pass"]
+    assert f"soak: {d['tokens']} tokens of 100000 (interrupted)" in stdout and "(partial run)" in stdout
+    assert "interrupted after" in stderr and "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("args,fragment", [
