@@ -43,6 +43,7 @@ def test_soak_5000_tokens_tiny_model(tmp_path, smollm2_path):
     # reported, and its verdict is in the JSON/printout checked above; docs/speed.md has the real figures.
     flat = crit["flat_latency"]
     assert flat["first_p50_ms"] > 0 and flat["last_p50_ms"] > 0 and flat["ratio"] > 0, flat
+    assert 0 < flat["floor_first_ms"] <= flat["first_p50_ms"] and flat["floor_ratio"] > 0, flat
     assert len(d["checkpoints"]) >= 5
     for ppl in (d["ppl_buckets"][p] for p in d["policies"]):
         assert len(ppl) == 5 and all(x > 1 for x in ppl)
@@ -84,6 +85,25 @@ def test_soak_killed_midway_keeps_a_partial_verdict(tmp_path, smollm2_path):
     assert d["criteria"]["cache_bytes_constant"]["pass"] and d["criteria"]["finite_logits"]["pass"]
     assert f"soak: {d['tokens']} tokens of 100000 (interrupted)" in stdout and "(partial run)" in stdout
     assert "interrupted after" in stderr and "Traceback" not in stderr
+
+
+def test_floor_ratio_ignores_neighbour_bursts_but_not_a_trend():
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from soak import floor_ratio
+
+    rng = np.random.default_rng(0)
+    lat = 40 + rng.random(31_000)  # a flat step cost (ms)...
+    lat[:1000] += 5  # (warm-up, excluded)
+    bursty = lat.copy()
+    bursty[30_000:] += 12  # ...and a neighbour's burst over the final window: the p50 ratio says 1.3x
+    r = floor_ratio(bursty, 1000, 1000)  # 30 windows: the lowest of the last 3 vs the lowest of the first 3
+    assert r["floor_windows"] == 3 and abs(r["floor_ratio"] - 1) < 0.02, r
+    r = floor_ratio(bursty[:20_000].copy() + np.r_[np.zeros(19_000), np.full(1000, 12.0)], 1000, 1000)
+    assert r["floor_windows"] == 1 and abs(r["floor_ratio"] - 1.3) < 0.02, r  # one window per tenth: no escape
+    trend = lat + np.linspace(0, 20, lat.size)  # a real slowdown moves the floor too
+    assert floor_ratio(trend, 1000, 1000)["floor_ratio"] > 1.3
 
 
 @pytest.mark.parametrize("args,fragment", [
