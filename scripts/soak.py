@@ -60,6 +60,8 @@ def build_parser() -> Parser:
                    "(exercises the soak machinery in seconds; used by tests/test_soak.py)")
     p.add_argument("--text", default=str(DEFAULT_TEXT))
     p.add_argument("--out", default="runs/soak.json")
+    p.add_argument("--png", default=None, help="plot of latency/RSS/perplexity against tokens (default: OUT with .png)")
+    p.add_argument("--replot", default=None, metavar="JSON", help="no run: redraw the plot (--png) of a soak JSON")
     add_model_args(p)
     return p
 
@@ -164,8 +166,64 @@ class Stepper:
         return np.asarray(nll), bool(ok.all())
 
 
+def plot(result: dict, path: str) -> None:
+    """Per-1k-token p50 latency (wall and process CPU), resident memory, and perplexity against tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n1k = len(result["latency_ms"]["per_1k_p50"])
+    xs = [1000 * (i + 0.5) for i in range(n1k)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    ax.plot(xs, result["latency_ms"]["per_1k_p50"], ".-", label="wall clock")
+    ax.plot(xs, result["latency_ms"]["cpu_per_1k_p50"], ".-", label="process CPU time (all threads)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"decode step p50 per 1k tokens ({len(result['policies'])} policies, one vmapped step)", fontsize=9)
+    ax.set_xlabel("tokens streamed")
+    ax.set_ylabel("ms / step")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ck = result["checkpoints"]
+    ax.plot([c["tokens"] for c in ck], [c["rss"] / 2**20 for c in ck], ".-", label="RSS")
+    ax.plot([c["tokens"] for c in ck], [c["cache_bytes"] / 2**20 for c in ck], ".-", label="cache pytree")
+    ax.set_ylim(bottom=0)
+    ax.set_title("memory (MiB)", fontsize=9)
+    ax.set_xlabel("tokens streamed")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    b = result["ppl_buckets"]
+    for name in result["policies"]:
+        ax.plot([b["bucket"] * (i + 0.5) for i in range(len(b[name]))], b[name], ".-", label=name)
+    ax.set_title(f"perplexity per {b['bucket']} tokens", fontsize=9)
+    ax.set_xlabel("tokens streamed")
+    ax.legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"soak: {result['tokens']} tokens, verdict {result['verdict']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def replot(json_path: str, png: str | None) -> int:
+    try:
+        with open(json_path) as f:
+            result = json.load(f)
+        result["latency_ms"]["per_1k_p50"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--replot: not a soak result: {json_path} ({type(e).__name__})") from None
+    png = png or os.path.splitext(json_path)[0] + ".png"
+    plot(result, png)
+    status(f"wrote {png}")
+    return 0
+
+
 def main() -> int:
     args = build_parser().parse_args()
+    if args.replot:
+        return replot(args.replot, args.png)
     check_model_args(args)
     if args.tokens < 2 * args.latency_window + args.warmup:
         raise UsageError(f"--tokens must be >= warmup + 2 * latency-window "
@@ -293,7 +351,9 @@ def main() -> int:
                 detail = {k: v for k, v in c.items() if k != "pass"}
                 print(f"{'PASS' if c['pass'] else 'FAIL'} {name}: {json.dumps(detail)}")
             print(f"verdict: {result['verdict']}{'' if n == T else ' (partial run)'}")
-            status(f"wrote {args.out}")
+            png = args.png or os.path.splitext(args.out)[0] + ".png"
+            plot(result, png)
+            status(f"wrote {args.out}, {png}")
         return result
 
     def on_term(signum, frame):

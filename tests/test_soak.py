@@ -45,6 +45,7 @@ def test_soak_5000_tokens_tiny_model(tmp_path, smollm2_path):
     assert flat["first_p50_ms"] > 0 and flat["last_p50_ms"] > 0 and flat["ratio"] > 0, flat
     assert 0 < flat["floor_first_ms"] <= flat["first_p50_ms"] and flat["floor_ratio"] > 0, flat
     assert len(d["checkpoints"]) >= 5
+    assert (tmp_path / "soak.png").stat().st_size > 10_000  # the plot, written next to the JSON
     for ppl in (d["ppl_buckets"][p] for p in d["policies"]):
         assert len(ppl) == 5 and all(x > 1 for x in ppl)
 
@@ -111,6 +112,7 @@ def test_floor_ratio_ignores_neighbour_bursts_but_not_a_trend():
     (["--cache-dtype", "float16"], "--cache-dtype must be"),
     (["--policies", "sinkcache"], "unknown policy"),
     (["--text", "/nonexistent.txt"], "text file not found"),
+    (["--replot", "/nonexistent.json"], "not a soak result"),
 ])
 def test_soak_bad_input_is_one_line(args, fragment):
     proc = soak(*args, timeout=60)
