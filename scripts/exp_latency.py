@@ -406,7 +406,8 @@ def main() -> int:
                         else f" {'-':>13}" for p in cols)
         last = e["probes"][-1]
         print(f"{name:<16}{cells} {e.get('flat_ratio', float('nan')):5.2f} {e.get('flat_ratio_cpu', float('nan')):9.2f}"
-              f" {last['rotations_per_token']['total']:8.1f}  {last.get('event_bump', float('nan')):6.2f}x")
+              f" {last['rotations_per_token']['total']:8.1f}  "
+              + (f"{last['event_bump']:6.2f}x" if "event_bump" in last else "  none (no upkeep events)"))
     print("\nprocess CPU time per token, p50 (ms) - robust to the neighbours' load")
     print(f"{'policy':<16}" + "".join(f" {p:>7}" for p in cols))
     for name, e in result["policies"].items():

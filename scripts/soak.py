@@ -20,7 +20,7 @@ per policy). Criteria, each PASS/FAIL in the printed verdict and JSON:
   machine the wall clock also measures the neighbours). Reported beside it, not judged: the floor ratio, the
   lowest window p50 of the last tenth of the stream over that of the first tenth (neighbour-robust).
 
-    python scripts/soak.py --tokens 100000            # the full soak (~1.5-2 h on 2 busy cores)
+    python scripts/soak.py --tokens 100000            # the full soak (79 min on 2 shared cores)
     python scripts/soak.py --tokens 20000 --out runs/soak_20k.json
     python scripts/soak.py --tiny --tokens 5000       # CI version (tests/test_soak.py): tiny random model
 """
