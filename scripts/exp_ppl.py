@@ -359,7 +359,12 @@ def plot(result: dict, path: str) -> None:
         ax.set_xlabel("token position (k)")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(f"perplexity per {result['config']['bucket']} tokens")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    legend = {}  # every policy of every panel, once (panels can hold different policy sets)
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    axes[0][-1].legend(legend.values(), legend.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                       borderaxespad=0)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=90)
