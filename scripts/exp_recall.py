@@ -797,49 +797,45 @@ def main() -> int:
     return 0
 
 
+def arm_cycle_table(title: str, rows: list[dict], fmt) -> list[str]:
+    """One markdown table: an arm per row, an n_cycles per column, fmt(row) in each cell."""
+    cyc = sorted({r["n_cycles"] for r in rows})
+    lines = [f"\n{title}", "| arm | " + " | ".join(f"c={c}" for c in cyc) + " |", "|---|" + "---|" * len(cyc)]
+    for arm in ARMS:
+        cells = {r["n_cycles"]: r for r in rows if r["arm"] == arm}
+        if cells:
+            lines.append(f"| {arm} | " + " | ".join(fmt(cells[c]) if c in cells else "" for c in cyc) + " |")
+    return lines
+
+
 def paired_table(rows: list[dict]) -> str:
     """Discordant pairs vs streamingllm: 'arm-only correct / streamingllm-only correct (exact McNemar p)'."""
     lines = []
     for variant in VARIANTS:
         for dtype in ("float32", "bfloat16"):
             sub = [r for r in rows if r["variant"] == variant and r["dtype"] == dtype]
-            if not sub:
-                continue
-            cyc = sorted({r["n_cycles"] for r in sub})
-            lines.append(f"\n{variant}, {dtype}: paired vs streamingllm, arm-only / streamingllm-only correct (p)")
-            lines.append("| arm | " + " | ".join(f"c={c}" for c in cyc) + " |")
-            lines.append("|---|" + "---|" * len(cyc))
-            for arm in ARMS:
-                cells = {r["n_cycles"]: r for r in sub if r["arm"] == arm}
-                if cells:
-                    lines.append(f"| {arm} | " + " | ".join(
-                        f"{cells[c]['arm_only']}/{cells[c]['ref_only']} ({cells[c]['mcnemar_p']:.2g})" if c in cells
-                        else "" for c in cyc) + " |")
+            if sub:
+                lines += arm_cycle_table(
+                    f"{variant}, {dtype}: paired vs streamingllm, arm-only / streamingllm-only correct (p)", sub,
+                    lambda r: f"{r['arm_only']}/{r['ref_only']} ({r['mcnemar_p']:.2g})")
     return "\n".join(lines)
 
 
 def layout_table(layouts: list[dict]) -> str:
     """Per arm and n_cycles (float32): 'distance / survivors / digits', digits as counts of
     s(ink) v (survivor) w(indow) e(victed) for the first fact; distance '-' when every digit is gone."""
+
+    def fmt(ly):
+        f = ly["facts"][0]
+        d = "".join(f"{v}{k[0] if k != 'survivor' else 'v'}" for k, v in f["digits"].items() if v)
+        return f"{'-' if f['distance'] is None else f['distance']} / {ly['n_survivors']} / {d}"
+
     lines = []
     for variant in VARIANTS:
         sub = [ly for ly in layouts if ly["variant"] == variant and ly["dtype"] == "float32"]
-        if not sub:
-            continue
-        cyc = sorted({ly["n_cycles"] for ly in sub})
-        lines.append(f"\n{variant}, float32: fact distance / survivors cached / digits (s v w e) before the question")
-        lines.append("| arm | " + " | ".join(f"c={c}" for c in cyc) + " |")
-        lines.append("|---|" + "---|" * len(cyc))
-        for arm in ARMS:
-            cells = {ly["n_cycles"]: ly for ly in sub if ly["arm"] == arm}
-            if not cells:
-                continue
-
-            def fmt(ly):
-                f = ly["facts"][0]
-                d = "".join(f"{v}{k[0] if k != 'survivor' else 'v'}" for k, v in f["digits"].items() if v)
-                return f"{'-' if f['distance'] is None else f['distance']} / {ly['n_survivors']} / {d}"
-            lines.append(f"| {arm} | " + " | ".join(fmt(cells[c]) if c in cells else "" for c in cyc) + " |")
+        if sub:
+            lines += arm_cycle_table(
+                f"{variant}, float32: fact distance / survivors cached / digits (s v w e) before the question", sub, fmt)
     return "\n".join(lines)
 
 
@@ -848,20 +844,11 @@ def table(summary: list[dict]) -> str:
     for variant in VARIANTS:
         for dtype in ("float32", "bfloat16"):
             rows = [s for s in summary if s["variant"] == variant and s["dtype"] == dtype]
-            if not rows:
-                continue
-            cyc = sorted({s["n_cycles"] for s in rows})
-            n = max(s["trials"] for s in rows)
-            lines.append(f"\n{variant}, {dtype}, n={n}/cell: accuracy % [Wilson 95%]")
-            lines.append("| arm | " + " | ".join(f"c={c}" for c in cyc) + " |")
-            lines.append("|---|" + "---|" * len(cyc))
-            for arm in ARMS:
-                cells = {s["n_cycles"]: s for s in rows if s["arm"] == arm}
-                if not cells:
-                    continue
-                lines.append(f"| {arm} | " + " | ".join(
-                    f"{100 * cells[c]['acc']:.0f} [{100 * cells[c]['wilson_lo']:.0f}-{100 * cells[c]['wilson_hi']:.0f}]"
-                    if c in cells else "" for c in cyc) + " |")
+            if rows:
+                n = max(s["trials"] for s in rows)
+                lines += arm_cycle_table(
+                    f"{variant}, {dtype}, n={n}/cell: accuracy % [Wilson 95%]", rows,
+                    lambda r: f"{100 * r['acc']:.0f} [{100 * r['wilson_lo']:.0f}-{100 * r['wilson_hi']:.0f}]")
     return "\n".join(lines)
 
 
