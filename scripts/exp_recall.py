@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -418,6 +419,9 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", default=None, help="re-plot and print the table of an existing recall.json")
+    p.add_argument("--resume", action="store_true",
+                   help="continue OUT/recall.json written by an interrupted run: arms it finished are kept, the "
+                        "rest run (the settings must match)")
     add_model_args(p)
     return p
 
@@ -677,6 +681,12 @@ def main() -> int:
     if not os.path.isfile(args.filler):
         raise UsageError(f"filler file not found: {args.filler}")
     proto = Protocol(args.window, args.block, args.cycle_len, args.delta, args.cap, args.gen_tokens, cfg["n_facts"])
+    outdir = Path(args.out)
+    fingerprint = run_fingerprint(args, cfg)
+    old = load_resumable(outdir / "recall.json", fingerprint) if args.resume else None
+    if old is None and unfinished(outdir / "recall.json"):
+        raise UsageError(f"{outdir}/recall.json holds an unfinished run: continue it with --resume, or choose "
+                         "another --out")
     t_start = time.perf_counter()
 
     from models.llama import load_model, split_apply
@@ -718,41 +728,135 @@ def main() -> int:
                 plan.append((variant, dtype, arms, cycles))
     total_len = P_len + n_filler + proto.chunk + proto.gen_tokens
     uncapped = -(-total_len // max(proto.delta, 1)) + 2
-    for variant, dtype, arms, cycles in plan:
-        n_sink = P_len if variant == "pinned" else unprotected_sinks
-        pols = {a: arm_policy(a, proto, n_sink, uncapped) for a in arms}
-        run_len = P_len + max(cycles) * proto.cycle_len + proto.chunk + proto.gen_tokens
-        bounded = [pols[a] for a in arms if a not in ("full", "replay")]
-        for arm in arms:
-            t0 = time.perf_counter()
-            rows0 = exp.token_rows
-            if args.quick:  # one spec (one compilation) for every arm of the run
-                allp = [arm_policy(a, proto, n, uncapped) for a in ARMS for n in (P_len, unprotected_sinks)]
-                runner = exp.runner(dtype, "all", allp, max_len=total_len)
-            elif arm == "full":
-                runner = exp.runner(dtype, f"full{run_len}", [pols[arm]], max_len=run_len)
-            elif arm == "replay":
-                runner = exp.runner(dtype, f"replay{variant}", [pols[arm]])
-            else:
-                runner = exp.runner(dtype, "bounded" + variant, bounded)
-            if arm == "replay":
-                exp.run_replay(dtype, variant, pols[arm], runner, trials, cycles, n_sink)
-            else:
-                exp.run_stream_arm(dtype, variant, arm, pols[arm], runner, trials, cycles, n_sink)
-            dt = time.perf_counter() - t0
-            accs = {r["n_cycles"]: r["acc"] for r in summarize(exp.records)
-                    if (r["variant"], r["dtype"], r["arm"]) == (variant, dtype, arm)}
-            status(f"  {variant:11s} {dtype:8s} {arm:12s} {dt:6.1f}s ({exp.token_rows - rows0} token-rows)  " +
-                   " ".join(f"c{c}:{100 * a:.0f}%" for c, a in sorted(accs.items())))
+    done_arms: list[list[str]] = []
+    prior = {"runtime_s": 0.0, "token_rows": 0}
+    if old is not None:
+        exp.records, exp.layouts, done_arms = old["records"], old["layout"], old["arms_done"]
+        prior = {"runtime_s": old["runtime_s"], "token_rows": old["token_rows"]}
+        status(f"exp_recall: resuming {outdir}/recall.json: {len(done_arms)} arm(s) done, {len(exp.records)} records")
 
+    def save(complete: bool, interrupted: str | None = None) -> dict:
+        out = build_output(args, cfg, proto, trials, loaded[dtypes_needed[0]][0], P_len, Q_len, uncapped,
+                           unprotected_sinks, len(preamble), exp, fingerprint, done_arms,
+                           prior["runtime_s"] + time.perf_counter() - t_start, prior["token_rows"], complete,
+                           interrupted)
+        write_json_atomic(outdir / "recall.json", out)
+        return out
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)  # a killed run keeps every arm it finished (see --resume)
+    running, n_rec, n_lay = None, 0, 0
+    try:
+        for variant, dtype, arms, cycles in plan:
+            n_sink = P_len if variant == "pinned" else unprotected_sinks
+            pols = {a: arm_policy(a, proto, n_sink, uncapped) for a in arms}
+            run_len = P_len + max(cycles) * proto.cycle_len + proto.chunk + proto.gen_tokens
+            bounded = [pols[a] for a in arms if a not in ("full", "replay")]
+            for arm in arms:
+                if [variant, dtype, arm] in done_arms:
+                    continue
+                t0 = time.perf_counter()
+                n_rec, n_lay, rows0 = len(exp.records), len(exp.layouts), exp.token_rows
+                running = f"{variant}/{dtype}/{arm}"
+                run_arm(exp, args, dtype, variant, arm, pols, bounded, run_len, total_len, trials, cycles, n_sink,
+                        proto, P_len, unprotected_sinks, uncapped)
+                done_arms.append([variant, dtype, arm])
+                running = None
+                save(False)
+                dt = time.perf_counter() - t0
+                accs = {r["n_cycles"]: r["acc"] for r in summarize(exp.records)
+                        if (r["variant"], r["dtype"], r["arm"]) == (variant, dtype, arm)}
+                status(f"  {variant:11s} {dtype:8s} {arm:12s} {dt:6.1f}s ({exp.token_rows - rows0} token-rows)  " +
+                       " ".join(f"c{c}:{100 * a:.0f}%" for c, a in sorted(accs.items())))
+    except KeyboardInterrupt:
+        if running is not None:
+            del exp.records[n_rec:], exp.layouts[n_lay:]  # a half-run arm would be a biased cell
+        save(False, running)
+        status(f"exp_recall: interrupted{' during ' + running if running else ''}; kept the {len(done_arms)} "
+               f"finished arm(s) in {outdir}/recall.json (continue with --resume)")
+        return 3
+
+    out = save(True)
+    summary, elapsed = out["summary"], out["runtime_s"]
+    if not args.no_plot:
+        plot(summary, outdir / "recall.png")
+    status(f"exp_recall: done in {elapsed:.0f}s ({out['token_rows']} token-rows); wrote {outdir}/recall.json")
+    print(table(summary))
+    print(paired_table(out["paired_vs_streamingllm"]))
+    print(layout_table(exp.layouts))
+    return 0
+
+
+def run_arm(exp, args, dtype, variant, arm, pols, bounded, run_len, total_len, trials, cycles, n_sink, proto, P_len,
+            unprotected_sinks, uncapped) -> None:
+    """One arm of one (variant, dtype): pick its compiled runner (one per cache spec) and stream every trial."""
+    if args.quick:  # one spec (one compilation) for every arm of the run
+        allp = [arm_policy(a, proto, n, uncapped) for a in ARMS for n in (P_len, unprotected_sinks)]
+        runner = exp.runner(dtype, "all", allp, max_len=total_len)
+    elif arm == "full":
+        runner = exp.runner(dtype, f"full{run_len}", [pols[arm]], max_len=run_len)
+    elif arm == "replay":
+        runner = exp.runner(dtype, f"replay{variant}", [pols[arm]])
+    else:
+        runner = exp.runner(dtype, "bounded" + variant, bounded)
+    if arm == "replay":
+        exp.run_replay(dtype, variant, pols[arm], runner, trials, cycles, n_sink)
+    else:
+        exp.run_stream_arm(dtype, variant, arm, pols[arm], runner, trials, cycles, n_sink)
+
+
+def run_fingerprint(args, cfg: dict) -> dict:
+    """What a resumed run must share with the run it continues (the trials and what every cell means);
+    arms, variants and dtypes may be added."""
+    return {"model": args.model or "embedded", "dtype": args.dtype, "kernel": args.kernel,
+            "filler": os.path.abspath(args.filler), "facts": os.path.abspath(args.facts) if args.facts else None,
+            "preamble": args.preamble, "seed": args.seed, "trials": cfg["trials"], "n_facts": cfg["n_facts"],
+            "window": args.window, "block": args.block, "cycle_len": args.cycle_len, "delta": args.delta,
+            "cap": args.cap, "gen_tokens": args.gen_tokens, "cycles": cfg["cycles"], "bf16_cycles": cfg["bf16_cycles"],
+            "unprotected_cycles": cfg["unprotected_cycles"], "quick": args.quick}
+
+
+def load_resumable(path: Path, fingerprint: dict) -> dict:
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"--resume: cannot read {path}: {e}") from None
+    if "fingerprint" not in old or "arms_done" not in old:
+        raise UsageError(f"--resume: {path} was written without resume data (an older run); start a fresh --out")
+    diff = [k for k in fingerprint if old["fingerprint"].get(k) != fingerprint[k]]
+    if diff:
+        k = diff[0]
+        raise UsageError(f"--resume: {path} was run with {k}={old['fingerprint'].get(k)!r}, this run has "
+                         f"{fingerprint[k]!r}" + (f" (and {len(diff) - 1} more setting(s) differ)" if len(diff) > 1
+                                                   else ""))
+    return old
+
+
+def unfinished(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("complete") is False
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def build_output(args, cfg, proto, trials, lm0, P_len, Q_len, uncapped, unprotected_sinks, n_preamble, exp,
+                 fingerprint, arms_done, elapsed, prior_rows, complete, interrupted) -> dict:
+    """recall.json: protocol, summary (Wilson CIs), paired tests, layouts and every trial's record."""
     summary = summarize(exp.records)
     if "pinned" in cfg["variants"] and "unprotected" in cfg["variants"] and "full" in cfg["arms"]:
         for s in [s for s in summary if s["variant"] == "pinned" and s["arm"] == "full" and s["dtype"] == "float32"]:
             if s["n_cycles"] in cfg["unprotected_cycles"]:
                 summary.append({**s, "variant": "unprotected", "shared_with": "pinned"})
-    elapsed = time.perf_counter() - t_start
-    lm0 = loaded[dtypes_needed[0]][0]
-    out = {
+    return {
         "model": {"path": lm0.path, "name": "SmolLM2-135M-Instruct (embedded GGUF)" if args.model is None else args.model},
         "protocol": {
             "cycle_len": proto.cycle_len, "cycle_definition": "one cycle = cycle_len filler tokens",
@@ -761,7 +865,7 @@ def main() -> int:
             "delta": proto.delta, "rsqr_uncapped_max_survivors": uncapped, "rsqr_cap_max_survivors": proto.cap,
             "overflow": "fifo",
             "sinks": {"pinned": P_len, "unprotected": unprotected_sinks},
-            "preamble": args.preamble, "preamble_tokens": len(preamble),
+            "preamble": args.preamble, "preamble_tokens": n_preamble,
             "pinned_definition": "n_sink = fact prefix length (preamble + facts): every fact token is a sink, never "
                                  "evicted",
             "unprotected_definition": f"n_sink = preamble + {UNPROTECTED_SINKS} ('The secret number of'): digits "
@@ -777,24 +881,18 @@ def main() -> int:
             "seed": args.seed,
         },
         "config": {**cfg, "quick": args.quick, "batch": args.batch},
+        "complete": complete,
+        "interrupted_during": interrupted,
+        "arms_done": list(arms_done),
+        "fingerprint": fingerprint,
         "summary": summary,
         "paired_vs_streamingllm": paired(exp.records),
         "layout": exp.layouts,
         "published": PUBLISHED,
         "runtime_s": elapsed,
-        "token_rows": exp.token_rows,
+        "token_rows": prior_rows + exp.token_rows,
         "records": exp.records,
     }
-    outdir = Path(args.out)
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "recall.json").write_text(json.dumps(out, indent=1))
-    if not args.no_plot:
-        plot(summary, outdir / "recall.png")
-    status(f"exp_recall: done in {elapsed:.0f}s ({exp.token_rows} token-rows); wrote {outdir}/recall.json")
-    print(table(summary))
-    print(paired_table(out["paired_vs_streamingllm"]))
-    print(layout_table(exp.layouts))
-    return 0
 
 
 def arm_cycle_table(title: str, rows: list[dict], fmt) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -217,3 +218,47 @@ def test_quick_run_json_and_sanity(tmp_path, smollm2_path):
     replot = _run("--from-json", str(tmp_path / "recall.json"), "--out", str(tmp_path / "replot"))
     assert replot.returncode == 0 and "| streamingllm |" in replot.stdout, replot.stderr
     assert (tmp_path / "replot" / "recall.png").is_file()
+
+
+def test_cli_resume_needs_a_resumable_run(tmp_path):
+    proc = _run("--resume", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "--resume: cannot read" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "recall.json").write_text(json.dumps({"complete": False}))
+    proc = _run("--out", str(tmp_path))  # a fresh run must not overwrite an unfinished one
+    assert proc.returncode == 2 and "holds an unfinished run" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_keeps_finished_arms_and_resume_matches_a_fresh_run(tmp_path, smollm2_path):
+    """A killed run keeps the arms it finished (exit 3); --resume runs only the rest, and the result equals an
+    uninterrupted run's, record for record."""
+    args = ["--quick", "--variants", "pinned", "--arms", "streamingllm,rsqr,rsqr_cap", "--trials", "3",
+            "--cycles", "2,4", "--no-plot"]
+    fresh = _run(*args, "--out", str(tmp_path / "fresh"), timeout=900)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    want = json.loads((tmp_path / "fresh" / "recall.json").read_text())
+    assert want["complete"] is True and len(want["arms_done"]) == 3
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "exp_recall.py"), *args, "--out", str(out)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO)
+    for line in proc.stderr:  # SIGTERM as soon as the first arm has finished
+        if line.startswith("  pinned"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=300) == 3, rest
+    part = json.loads((out / "recall.json").read_text())
+    assert part["complete"] is False and part["interrupted_during"] in (None, "pinned/float32/rsqr"), rest
+    assert part["arms_done"] == [["pinned", "float32", "streamingllm"]]
+    assert {r["arm"] for r in part["records"]} == {"streamingllm"}  # the half-run arm left nothing behind
+    assert "--resume" in rest
+
+    bad = _run(*args, "--out", str(out), "--resume", "--seed", "1")
+    assert bad.returncode == 2 and "seed=0" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    resumed = _run(*args, "--out", str(out), "--resume", timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "1 arm(s) done" in resumed.stderr
+    got = json.loads((out / "recall.json").read_text())
+    assert got["complete"] is True and got["arms_done"] == want["arms_done"]
+    assert got["records"] == want["records"] and got["summary"] == want["summary"]
