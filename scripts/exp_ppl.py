@@ -65,6 +65,9 @@ def build_parser() -> Parser:
     p.add_argument("--plot", default=None, help="PNG path (default OUT/exp_ppl.png)")
     p.add_argument("--rescore", default=None, metavar="DIR",
                    help="no model runs: rebuild DIR's tables and plot (--plot) from its exp_ppl.json and nll_*.npy")
+    p.add_argument("--merge", default=None, nargs="+", metavar="SRC",
+                   help="with --rescore: add the cells of other runs (SRC dirs) to DIR first (their nll_*.npy are "
+                        "copied in); a cell DIR already has is an error")
     return p
 
 
@@ -120,7 +123,11 @@ def parse(args) -> dict:
 
 def main() -> int:
     args = build_parser().parse_args()
+    if args.merge and not args.rescore:
+        raise UsageError("--merge needs --rescore DIR (the run the cells are added to)")
     if args.rescore:
+        if args.merge:
+            merge(args.rescore, args.merge)
         return rescore(args.rescore, args.plot or os.path.join(args.rescore, "exp_ppl.png"))
     cfg = parse(args)
     T, windows, dtypes, pols, cell_tokens = cfg["T"], cfg["windows"], cfg["dtypes"], cfg["pols"], cfg["cell_tokens"]
@@ -229,13 +236,54 @@ def write(out_dir: str, result: dict, plot_path: str) -> None:
            f"{result['total_cpu_s']:.0f}s CPU)" + (f"; INTERRUPTED during {i['during']}: partial results" if i else ""))
 
 
-def rescore(out_dir: str, plot_path: str) -> int:
-    """Rebuild the summary, tables and plot of an earlier run from its saved per-token NLL (no model runs)."""
+def _read_run(out_dir: str, flag: str) -> dict:
     path = os.path.join(out_dir, "exp_ppl.json")
     if not os.path.isfile(path):
-        raise UsageError(f"--rescore: {path} not found")
+        raise UsageError(f"{flag}: {path} not found")
     with open(path) as f:
-        old = json.load(f)
+        return json.load(f)
+
+
+def merge(out_dir: str, sources: list[str]) -> None:
+    """Add the cells of separate runs (e.g. one cell run later) to out_dir's exp_ppl.json, so that one
+    --rescore rebuilds a single table; the settings that define a cell must match."""
+    import shutil
+
+    dst = _read_run(out_dir, "--rescore")
+    same = ("text", "sinks", "delta", "max_survivors", "overflow", "bucket")
+    for src_dir in sources:
+        src = _read_run(src_dir, "--merge")
+        diff = [k for k in same if src["config"].get(k) != dst["config"].get(k)]
+        if diff:
+            raise UsageError(f"--merge: {src_dir} was run with {diff[0]}={src['config'].get(diff[0])!r}, "
+                             f"{out_dir} with {dst['config'].get(diff[0])!r}")
+        have = {(c["window"], c["dtype"]) for c in dst["cells"]}
+        for c in src["cells"]:
+            if (c["window"], c["dtype"]) in have:
+                raise UsageError(f"--merge: {out_dir} already has the cell W={c['window']} {c['dtype']}")
+            for k in c["runs"]:
+                name = f"nll_W{c['window']}_{c['dtype']}_{k}.npy"
+                shutil.copyfile(os.path.join(src_dir, name), os.path.join(out_dir, name))
+            dst["cells"].append(c)
+        for key in ("windows", "dtypes"):
+            dst["config"][key] = sorted(set(dst["config"][key]) | set(src["config"][key]),
+                                        key=lambda v: (("float32", "bfloat16").index(v) if isinstance(v, str) else v))
+        dst["config"].setdefault("merged_from", []).append(os.path.abspath(src_dir))
+        dst["timings"] += src["timings"]
+        dst["total_wall_s"] += src["total_wall_s"]
+        dst["total_cpu_s"] += src["total_cpu_s"]
+        labels = {f"W={c['window']} {c['dtype']}" for c in dst["cells"]}
+        runs_i = [r.get("interrupted") for r in (dst, src)]
+        dst["interrupted"] = next((i for i in runs_i if i and i["during"] not in labels), None)
+    order = {d: i for i, d in enumerate(("float32", "bfloat16"))}
+    dst["cells"].sort(key=lambda c: (order[c["dtype"]], c["window"]))
+    with open(os.path.join(out_dir, "exp_ppl.json"), "w") as f:
+        json.dump(dst, f, indent=1)
+
+
+def rescore(out_dir: str, plot_path: str) -> int:
+    """Rebuild the summary, tables and plot of an earlier run from its saved per-token NLL (no model runs)."""
+    old = _read_run(out_dir, "--rescore")
     cells = []
     for c in old["cells"]:
         nll = {k: np.load(os.path.join(out_dir, f"nll_W{c['window']}_{c['dtype']}_{k}.npy")).astype(np.float64)

@@ -88,3 +88,35 @@ def test_rescore_rebuilds_the_same_tables(ppl_run, tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_ppl.py"), "--rescore", str(tmp_path / "no")],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_merge_adds_a_separately_run_cell(ppl_run, tmp_path):
+    """--rescore DIR --merge SRC: one table from two runs (a cell run later); a cell DIR already has is refused."""
+    import shutil
+
+    out, res = ppl_run
+    dst, src = tmp_path / "dst", tmp_path / "src"
+    shutil.copytree(out, dst)
+    shutil.copytree(out, src)
+    data = json.loads((src / "exp_ppl.json").read_text())  # the same cell relabelled as another window
+    cell = data["cells"][0]
+    for k in cell["runs"]:
+        (src / f"nll_W{cell['window']}_{cell['dtype']}_{k}.npy").rename(src / f"nll_W96_{cell['dtype']}_{k}.npy")
+    cell["window"], data["config"]["windows"] = 96, [96]
+    (src / "exp_ppl.json").write_text(json.dumps(data))
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_ppl.py"), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = run("--rescore", str(dst), "--merge", str(src))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads((dst / "exp_ppl.json").read_text())
+    assert [c["window"] for c in merged["cells"]] == [64, 96] and merged["config"]["windows"] == [64, 96]
+    for key, r in res["cells"][0]["runs"].items():
+        assert math.isclose(merged["cells"][1]["runs"][key]["ppl"], r["ppl"], rel_tol=1e-9), key
+    assert "W=96 float32" in (dst / "exp_ppl.md").read_text()
+    again = run("--rescore", str(dst), "--merge", str(src))
+    assert again.returncode == 2 and "already has the cell W=96 float32" in again.stderr, again.stderr
+    alone = run("--merge", str(src))
+    assert alone.returncode == 2 and "--merge needs --rescore" in alone.stderr and "Traceback" not in alone.stderr
