@@ -269,6 +269,11 @@ def merge(out_dir: str, sources: list[str]) -> None:
             dst["config"][key] = sorted(set(dst["config"][key]) | set(src["config"][key]),
                                         key=lambda v: (("float32", "bfloat16").index(v) if isinstance(v, str) else v))
         dst["config"].setdefault("merged_from", []).append(os.path.abspath(src_dir))
+        redone = {t["label"] for t in src["timings"]}  # DIR's interrupted attempts at the cells SRC ran
+        for t in [t for t in dst["timings"] if t["label"] in redone]:
+            dst["timings"].remove(t)
+            dst["total_wall_s"] -= t["wall_s"]
+            dst["total_cpu_s"] -= t["cpu_s"]
         dst["timings"] += src["timings"]
         dst["total_wall_s"] += src["total_wall_s"]
         dst["total_cpu_s"] += src["total_cpu_s"]
