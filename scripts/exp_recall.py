@@ -3,7 +3,8 @@
 
     python scripts/exp_recall.py --quick                      # < 2 min: a smoke run of every arm (CI)
     python scripts/exp_recall.py                              # the default study (runs/exp_recall)
-    python scripts/exp_recall.py --trials 100 --cycles 2,4,8,16,32,64 --dtypes float32 --variants pinned
+    python scripts/exp_recall.py --trials 100 --batch 50 --out runs/exp_recall_100   # docs/recall.md tables 1-3
+    python scripts/exp_recall.py ... --resume       # continue a killed run (it keeps every finished arm)
 
 Protocol (every quantity is also written to the output JSON under "protocol"):
 
