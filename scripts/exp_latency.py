@@ -242,6 +242,19 @@ class Runner:
         return row
 
 
+def bump_label(probe: dict) -> str:
+    """Event-step p50 over other-step p50; policies whose every step (or no step) is an event have none."""
+    if "event_bump" in probe:
+        return f"{probe['event_bump']:6.2f}x"
+    if probe["event_steps"] == probe["steps"]:
+        return "  none (every step is an upkeep event)"
+    return "  none (no upkeep events)"
+
+
+def _p50(st: dict | None) -> str:
+    return "-" if not st else f"{st['p50']:.1f}"
+
+
 def memory_table(args, cfg):
     """rsqr cache bytes by part against W and delta (analytic: CacheSpec.bytes_by_part)."""
     from rsqr_jax.cache import CacheSpec
@@ -388,8 +401,7 @@ def main() -> int:
             r = run.probe(s, mode, args.sweep_position, n)
             r.update(name=name, policy=pol.name, cache_bytes=spec.bytes_by_part(pol))
             result["sweep"].append(r)
-            bump = r.get("event_bump", float("nan"))
-            status(f"sweep {name}: p50 {r['latency_ms']['p50']:.1f} ms, event bump {bump:.2f}x"
+            status(f"sweep {name}: p50 {r['latency_ms']['p50']:.1f} ms, event bump {bump_label(r).strip()}"
                    f", rotations/token {r['rotations_per_token']['total']:.1f}")
     result["memory"] = memory_table(args, cfg)
     result["machine"]["loadavg_end"] = os.getloadavg()
@@ -407,7 +419,7 @@ def main() -> int:
         last = e["probes"][-1]
         print(f"{name:<16}{cells} {e.get('flat_ratio', float('nan')):5.2f} {e.get('flat_ratio_cpu', float('nan')):9.2f}"
               f" {last['rotations_per_token']['total']:8.1f}  "
-              + (f"{last['event_bump']:6.2f}x" if "event_bump" in last else "  none (no upkeep events)"))
+              + bump_label(last))
     print("\nprocess CPU time per token, p50 (ms) - robust to the neighbours' load")
     print(f"{'policy':<16}" + "".join(f" {p:>7}" for p in cols))
     for name, e in result["policies"].items():
@@ -417,8 +429,7 @@ def main() -> int:
         print("\ntail sweep at position", args.sweep_position)
         for r in result["sweep"]:
             print(f"{r['name']:<22} p50 {r['latency_ms']['p50']:6.1f}  p99 {r['latency_ms']['p99']:6.1f}  "
-                  f"event p50 {(r['latency_event_ms'] or {}).get('p50', float('nan')):7.1f}  "
-                  f"other p50 {(r['latency_no_event_ms'] or {}).get('p50', float('nan')):6.1f}  "
+                  f"event p50 {_p50(r['latency_event_ms']):>7}  other p50 {_p50(r['latency_no_event_ms']):>6}  "
                   f"rot/tok {r['rotations_per_token']['total']:.1f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

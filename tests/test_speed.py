@@ -166,3 +166,11 @@ def test_bad_input_is_one_line(script, args, fragment):
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_event_bump_label_says_why_there_is_none():
+    """rerotate block 1 rotates at every step (no quiet step to compare with); rsqr never has an upkeep event."""
+    el = _exp_latency()
+    assert el.bump_label({"event_bump": 1.3125, "event_steps": 3, "steps": 24}).strip() == "1.31x"
+    assert "every step" in el.bump_label({"event_steps": 24, "steps": 24})
+    assert "no upkeep events" in el.bump_label({"event_steps": 0, "steps": 24})
