@@ -24,6 +24,17 @@ class Timer:
         self.cpu = time.process_time() - self.c0
 
 
+
+def block_bootstrap(x, block: int, n: int = 2000, seed: int = 0) -> list[float]:
+    """95% interval of the mean of x by resampling contiguous blocks (neighbouring tokens are dependent)."""
+    nb = len(x) // block
+    if nb < 2:
+        return [float("nan"), float("nan")]
+    means = x[:nb * block].reshape(nb, block).mean(1)
+    rng = np.random.default_rng(seed)
+    boots = means[rng.integers(0, nb, size=(n, nb))].mean(1)
+    return [float(v) for v in np.percentile(boots, [2.5, 97.5])]
+
 class Interrupted(Exception):
     """SIGTERM/SIGINT during a run; `partial` holds {key: NLL scored so far} of the interrupted batch."""
 

@@ -284,11 +284,9 @@ def plot(result, path):
     for name, pr in result["policies"].items():
         xs = [r["position"] for r in pr["probes"]]
         p50 = [r["latency_ms"]["p50"] for r in pr["probes"]]
-        p99 = [r["latency_ms"]["p99"] for r in pr["probes"]]
         cpu = [r["cpu_ms"]["p50"] for r in pr["probes"]]
         line, = ax.plot(xs, p50, "o-", label=name, ms=4)
         ax.plot(xs, cpu, ":", color=line.get_color(), alpha=0.6)
-        del p99
     ax.set_xscale("log")
     ax.set_ylim(bottom=0)
     ax.set_xlabel("stream position (tokens)")

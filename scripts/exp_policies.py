@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from _common import DEFAULT_TEXT, Parser, UsageError, run_main, status
-from _stream_exp import Timer, check_finite, hf_reference_nll, ppl, stream_policies
+from _stream_exp import Timer, block_bootstrap, check_finite, hf_reference_nll, ppl, stream_policies
 
 REL_TOL = 1e-3  # rsqr(delta=0) vs streamingllm, relative perplexity
 
@@ -144,17 +144,6 @@ def write(out_dir: str, result: dict, timings: list, wall: float, cpu: float) ->
         f.write(md)
     print(md)
     status(f"wrote {out_dir}/exp_policies.json and exp_policies.md ({wall:.0f}s wall, {cpu:.0f}s CPU)")
-
-
-def block_bootstrap(x, block: int, n: int = 2000, seed: int = 0) -> list[float]:
-    """95% interval of the mean of x by resampling contiguous blocks (neighbouring tokens are dependent)."""
-    nb = len(x) // block
-    if nb < 2:
-        return [float("nan"), float("nan")]
-    means = x[:nb * block].reshape(nb, block).mean(1)
-    rng = np.random.default_rng(seed)
-    boots = means[rng.integers(0, nb, size=(n, nb))].mean(1)
-    return [float(v) for v in np.percentile(boots, [2.5, 97.5])]
 
 
 def analyze(runs: dict, config: dict) -> dict:

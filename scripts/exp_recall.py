@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from _common import (DEFAULT_TEXT, REPO_ROOT, Parser, UsageError, add_model_args, check_model_args, run_main,
-                     status)
+                     status, write_json_atomic)
 
 ARMS = ("full", "replay", "rerotate", "leave_gaps", "streamingllm", "rsqr", "rsqr_cap")
 VARIANTS = ("pinned", "unprotected")
@@ -744,6 +744,22 @@ def main() -> int:
         write_json_atomic(outdir / "recall.json", out)
         return out
 
+    def run_arm(variant, dtype, arm, pols, bounded, run_len, cycles, n_sink) -> None:
+        """Pick the arm's compiled runner (one per cache spec) and stream every trial through it."""
+        if args.quick:  # one spec (one compilation) for every arm of the run
+            allp = [arm_policy(a, proto, n, uncapped) for a in ARMS for n in (P_len, unprotected_sinks)]
+            runner = exp.runner(dtype, "all", allp, max_len=total_len)
+        elif arm == "full":
+            runner = exp.runner(dtype, f"full{run_len}", [pols[arm]], max_len=run_len)
+        elif arm == "replay":
+            runner = exp.runner(dtype, f"replay{variant}", [pols[arm]])
+        else:
+            runner = exp.runner(dtype, "bounded" + variant, bounded)
+        if arm == "replay":
+            exp.run_replay(dtype, variant, pols[arm], runner, trials, cycles, n_sink)
+        else:
+            exp.run_stream_arm(dtype, variant, arm, pols[arm], runner, trials, cycles, n_sink)
+
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
@@ -761,8 +777,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 n_rec, n_lay, rows0 = len(exp.records), len(exp.layouts), exp.token_rows
                 running = f"{variant}/{dtype}/{arm}"
-                run_arm(exp, args, dtype, variant, arm, pols, bounded, run_len, total_len, trials, cycles, n_sink,
-                        proto, P_len, unprotected_sinks, uncapped)
+                run_arm(variant, dtype, arm, pols, bounded, run_len, cycles, n_sink)
                 done_arms.append([variant, dtype, arm])
                 running = None
                 save(False)
@@ -788,24 +803,6 @@ def main() -> int:
     print(paired_table(out["paired_vs_streamingllm"]))
     print(layout_table(exp.layouts))
     return 0
-
-
-def run_arm(exp, args, dtype, variant, arm, pols, bounded, run_len, total_len, trials, cycles, n_sink, proto, P_len,
-            unprotected_sinks, uncapped) -> None:
-    """One arm of one (variant, dtype): pick its compiled runner (one per cache spec) and stream every trial."""
-    if args.quick:  # one spec (one compilation) for every arm of the run
-        allp = [arm_policy(a, proto, n, uncapped) for a in ARMS for n in (P_len, unprotected_sinks)]
-        runner = exp.runner(dtype, "all", allp, max_len=total_len)
-    elif arm == "full":
-        runner = exp.runner(dtype, f"full{run_len}", [pols[arm]], max_len=run_len)
-    elif arm == "replay":
-        runner = exp.runner(dtype, f"replay{variant}", [pols[arm]])
-    else:
-        runner = exp.runner(dtype, "bounded" + variant, bounded)
-    if arm == "replay":
-        exp.run_replay(dtype, variant, pols[arm], runner, trials, cycles, n_sink)
-    else:
-        exp.run_stream_arm(dtype, variant, arm, pols[arm], runner, trials, cycles, n_sink)
 
 
 def run_fingerprint(args, cfg: dict) -> dict:
@@ -840,13 +837,6 @@ def unfinished(path: Path) -> bool:
         return json.loads(path.read_text()).get("complete") is False
     except (OSError, json.JSONDecodeError, AttributeError):
         return False
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def build_output(args, cfg, proto, trials, lm0, P_len, Q_len, uncapped, unprotected_sinks, n_preamble, exp,

@@ -35,7 +35,7 @@ import signal
 import time
 
 from _common import (DEFAULT_TEXT, Parser, UsageError, add_model_args, check_model_args, load_model_from_args,
-                     run_main, status)
+                     run_main, status, write_json_atomic)
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -338,11 +338,7 @@ def main() -> int:
                         "loadavg_end": os.getloadavg()},
             "mode": "separate" if args.separate else "vmapped",
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, args.out)
+        write_json_atomic(args.out, result)
         if final:
             print(f"soak: {n} tokens{'' if n == T else f' of {T} (interrupted)'} x {P} policies "
                   f"({', '.join(result['policies'])}), {'tiny model, ' if args.tiny else ''}weights {args.dtype}, "

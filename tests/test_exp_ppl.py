@@ -62,6 +62,9 @@ def test_sanity_bounds(ppl_run):
     for key in ("rsqr_precompute", "rerotate"):
         assert runs[key]["mean_abs_dnll_vs_oracle"] < 1e-3, key
         assert abs(runs[key]["rel_dppl_vs_oracle"]) < 1e-3, key
+        lo, hi = runs[key]["excess_nll_after_fill_ci95"]
+        assert abs(runs[key]["excess_nll_after_fill"]) < 1e-3 and lo <= runs[key]["excess_nll_after_fill"] <= hi, key
+        assert len(runs[key]["excess_nll_per_bucket"]) == len(runs[key]["curve"]), key
     # Full attention sees every token: no bounded policy does better on this text (replay scores a shorter prefix).
     assert runs["full"]["ppl"] <= min(r["ppl"] for k, r in runs.items() if k not in ("full", "replay")) * 1.001
 
