@@ -2,7 +2,7 @@
 
 Layer weights are stacked on a leading axis and the layers run under one `lax.scan`, so compile time
 does not grow with depth. Attention is not implemented here: each layer hands its raw q/k/v to
-`rsqr_jax.attention.layer_attention`, which owns RoPE, the cache and every eviction policy.
+`rsqr_jax.update.attend_layer`, which owns RoPE, the cache and every eviction policy.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from rsqr_jax.attention import layer_attention
-from rsqr_jax.cache import KVCache, StepPlan
+from rsqr_jax.cache import KVCache
+from rsqr_jax.update import StepPlan, attend_layer
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
@@ -65,7 +65,7 @@ class Llama(nnx.Module):
             q, k, v = _dense(h, p["wq"]), _dense(h, p["wk"]), _dense(h, p["wv"])
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            attn, cache = layer_attention(idx, q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D),
+            attn, cache = attend_layer(idx, q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D),
                                           v.reshape(B, C, Hkv, D), cache, plan, inv_freq, kernel=kernel)
             x = x + _dense(attn.reshape(B, C, Hq * D).astype(x.dtype), p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
@@ -139,7 +139,9 @@ def load_model(path: str | None = None, dtype: str = "float32") -> LoadedModel:
 def forward_logits(path_or_loaded, token_ids: np.ndarray, *, dtype: str = "float32") -> np.ndarray:
     """float32 logits [B, T, V] of full causal attention at positions 0..T-1 (parity tests, references)."""
     from rsqr_jax import policy as P
-    from rsqr_jax.cache import CacheSpec, init_cache, plan_step
+    from rsqr_jax.cache import init_cache
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.update import plan_step
 
     loaded = path_or_loaded if isinstance(path_or_loaded, LoadedModel) else load_model(path_or_loaded, dtype)
     cfg = loaded.config

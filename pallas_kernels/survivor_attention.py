@@ -95,7 +95,7 @@ def survivor_attention_reference(
 #     s = q1 . k1' + q2 . k2'  with  k1' = k1 cos - k2 sin,  k2' = k2 cos + k1 sin,
 #     the halves read with separate ref slices (no value slicing or concatenation in the kernel).
 #   * A key block none of whose keys is visible to any row of the program is skipped by lax.cond
-#     (its K/V are not even loaded): empty ring capacity, invalid survivor slots, and window blocks in
+#     (its K/V are not even loaded): empty window capacity, invalid survivor slots, and window blocks in
 #     the causal future of a chunk cost only their positions (skip_empty_blocks=True, the default;
 #     False keeps the loop body branch-free for Triton's software pipelining - to be measured on GPU).
 #   * Each split writes unnormalised (o, m, l); the wrapper merges the splits by log-sum-exp.

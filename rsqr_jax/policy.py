@@ -24,6 +24,52 @@ FULL, WINDOW, STREAMINGLLM, LEAVE_GAPS, REROTATE, REPLAY, RSQR, RSQR_PRECOMPUTE 
 UNBOUNDED = 1 << 30
 
 
+@dataclasses.dataclass(frozen=True)
+class ModeTraits:
+    """What a mode does, as the flags the per-step update reads (DESIGN section 4's policy table).
+
+    rank_window: the window segment is on the rank timeline (keys and query at ranks).
+    rank_store: stored keys are rotated at their rank and must follow rank changes (rerotate / replay).
+    raw_window: window keys are stored raw and rotated from raw at their rank every step (streamingllm).
+    surv_global: survivors are stored rotated at their global position and seen from the query's global
+        position (leave_gaps).
+    surv_in_kernel: survivor keys are raw and rotated at their rank inside the kernel (rsqr, streamingllm).
+    precompute: survivors are attended through a copy rotated at their rank, refreshed on rank changes.
+    rerotate / replay: the upkeep run when ranks change (re-rotate in place / recompute by a forward pass).
+    Fields are Python bools in MODE_TRAITS and traced booleans in the result of `mode_traits`.
+    """
+
+    rank_window: bool = False
+    rank_store: bool = False
+    raw_window: bool = False
+    surv_global: bool = False
+    surv_in_kernel: bool = False
+    precompute: bool = False
+    rerotate: bool = False
+    replay: bool = False
+
+
+T = ModeTraits
+MODE_TRAITS = {
+    "full": T(),
+    "window": T(),
+    "streamingllm": T(rank_window=True, raw_window=True, surv_in_kernel=True),
+    "leave_gaps": T(surv_global=True),
+    "rerotate": T(rank_window=True, rank_store=True, rerotate=True),
+    "replay": T(rank_window=True, rank_store=True, replay=True),
+    "rsqr": T(surv_in_kernel=True),
+    "rsqr_precompute": T(precompute=True),
+}
+del T
+_TRAIT_TABLE = np.array([[getattr(MODE_TRAITS[m], f.name) for f in dataclasses.fields(ModeTraits)] for m in MODES])
+
+
+def mode_traits(mode: jax.Array) -> ModeTraits:
+    """The traits of a (traced) mode id: one table lookup per trait, constant-folded for a fixed policy."""
+    table = jnp.asarray(_TRAIT_TABLE)
+    return ModeTraits(*(table[mode, i] for i in range(table.shape[1])))
+
+
 class PolicyError(ValueError):
     """An impossible policy (bad parameter, or one the cache capacity cannot hold)."""
 
@@ -171,3 +217,23 @@ def policy_size(policy: Policy) -> int | None:
     """Number of policies in a batch, or None for a single policy."""
     shape = np.shape(policy.mode)
     return None if shape == () else int(shape[0])
+
+
+def window_start(n: jax.Array, window: jax.Array, block: jax.Array, start: jax.Array | int = 0) -> jax.Array:
+    """Global position of the oldest window token once the stream (begun at `start`) reaches n (DESIGN section 3).
+
+    The window grows to W + b - 1 tokens; the token that would make it W + b releases the oldest b.
+    Computed on the stream-relative count r = n - start, compared as r - W < b so that nothing
+    overflows int32 whatever n, W and b are.
+    """
+    r = n - start
+    count = jnp.where(r - window < block, r, window + (r - window) % block)
+    return n - count
+
+
+def is_flagged(g: jax.Array, n_sink: jax.Array, delta: jax.Array) -> jax.Array:
+    """Every delta-th non-sink token: (g - N) mod delta == delta - 1 (never when delta == 0).
+
+    g is the stream-relative position (global position - cache.start)."""
+    d = jnp.maximum(delta, 1)
+    return (delta > 0) & (g >= n_sink) & ((g - n_sink) % d == d - 1)

@@ -1,7 +1,7 @@
 """Vectorized policy sweeps: a grid of policies streamed in ONE jitted, vmapped evaluation.
 
 Policies are data (a pytree of int32 scalars, rsqr_jax.policy), so a batch of them with a leading [P]
-axis runs through `stream.stream_nll(..., vmap_policies=True)` under a single compilation: the cache
+axis runs through `engine.stream_nll(..., vmap_policies=True)` under a single compilation: the cache
 gets the union capacity of the batch (`CacheSpec.for_policies`) and a leading [P] axis, the weights
 are shared (vmapped with in_axes=None: every matmul sees P rows, the weights are read once per step).
 
@@ -43,9 +43,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from rsqr_jax import policy as P
-from rsqr_jax.cache import CacheSpec, KVCache, init_cache
+from rsqr_jax.cache import KVCache, init_policy_cache
+from rsqr_jax.engine import stream_nll
 from rsqr_jax.policy import Policy, PolicyError
-from rsqr_jax.stream import stream_nll
+from rsqr_jax.spec import CacheSpec
 
 MESH_AXES = ("policy", "batch")
 
@@ -151,7 +152,7 @@ def make_mesh(n_devices: int | None = None, *, batch_devices: int = 1, devices=N
 
 def _cache_partition(cache: KVCache) -> KVCache:
     """PartitionSpec of each leaf of a policy-vmapped cache: [P] on "policy", text batch on "batch"."""
-    batch_axis = {"ring_k": 2, "ring_v": 2, "surv_k": 2, "surv_v": 2, "surv_k_rot": 2, "ring_tok": 1, "surv_tok": 1}
+    batch_axis = {"win_k": 2, "win_v": 2, "surv_k": 2, "surv_v": 2, "surv_k_rot": 2, "win_tok": 1, "surv_tok": 1}
     specs = {}
     for f in dataclasses.fields(cache):
         nd = getattr(cache, f.name).ndim
@@ -216,21 +217,17 @@ def sweep_nll(apply_fn, params, tokens_BxT, policies: Policy | list[Policy], *, 
     elif spec.batch != B_pad:
         spec = dataclasses.replace(spec, batch=B_pad)
 
-    def fresh_cache():
-        c = init_cache(spec)
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (P_pad,) + x.shape), c)
-
     if mesh is None:
         nll, cache = stream_nll(apply_fn, params, tokens, policies, spec, chunk=chunk, segment=segment,
                                 progress=progress, vmap_policies=True)
     else:
-        cache_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), _cache_partition(jax.eval_shape(fresh_cache)))
-        cache = jax.jit(fresh_cache, out_shardings=cache_sh)()
+        shape = jax.eval_shape(lambda: init_policy_cache(spec, P_pad))
+        cache_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), _cache_partition(shape))
+        cache = jax.jit(lambda: init_policy_cache(spec, P_pad), out_shardings=cache_sh)()
         policies = jax.tree.map(lambda x: _place(x, NamedSharding(mesh, PS("policy"))), policies)
         params = jax.tree.map(lambda x: _place(x, NamedSharding(mesh, PS())), params)
         nll, cache = stream_nll(apply_fn, params, tokens, policies, spec, chunk=chunk, segment=segment,
-                                progress=progress, vmap_policies=True, cache=cache,
-                                out_shardings=(cache_sh, NamedSharding(mesh, PS())))
+                                progress=progress, vmap_policies=True, cache=cache, cache_sharding=cache_sh)
     nll = np.asarray(nll)[:n_pol, :B]
     return (nll, cache) if return_cache else nll
 

@@ -52,8 +52,8 @@ def stream_policies(loaded, apply_fn, params, ids, policies: dict, *, chunk: int
     piece (exactly the same computation: only the last piece is padded); an interruption (KeyboardInterrupt,
     which the scripts raise on SIGTERM) raises Interrupted with the NLL of the pieces already done."""
     from rsqr_jax import policy as P
-    from rsqr_jax.cache import CacheSpec
-    from rsqr_jax.stream import stream_nll
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.engine import stream_nll
 
     cfg = loaded.config
     keys = list(policies)

@@ -147,7 +147,7 @@ class Ours:
     """One Session per row (compiled once per cache spec; the compiled steps are reused across repeats)."""
 
     def __init__(self, args, loaded, apply_fn, params, cached: int):
-        from rsqr_jax.cache import CacheSpec
+        from rsqr_jax.spec import CacheSpec
         from rsqr_jax.session import Session
 
         cfg = loaded.config
@@ -234,7 +234,7 @@ def main() -> int:
         o_best = min(d for _, d, _ in o_meas)
         o_cpu = min(c for _, _, c in o_meas)
         row = {"cached": cached, "prompt_tokens_ours": len(prompt), "new_tokens": args.new,
-               "policy": sess.policy.name, "ring_capacity": ours.spec.ring_capacity,
+               "policy": sess.policy.name, "win_capacity": ours.spec.win_capacity,
                "surv_capacity": ours.spec.surv_capacity, "compile_s": ours.compile_s,
                "ours_tok_s": args.new / o_best, "ours_ms_per_token": 1e3 * o_best / args.new,
                "ours_tok_s_all": [args.new / d for _, d, _ in o_meas], "ours_prefill_s": min(p for p, _, _ in o_meas),

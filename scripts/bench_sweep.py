@@ -60,7 +60,7 @@ def _setup(args):
         import jax.numpy as jnp
 
         from models.llama import Llama, split_apply
-        from tests.tiny_model import tiny_config, tiny_weights
+        from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
         cfg = tiny_config(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=256)
         apply_fn, params = split_apply(Llama(cfg, tiny_weights(cfg, 0), dtype=jnp.dtype(args.dtype)))
@@ -80,9 +80,9 @@ def run_arm(args) -> dict:
     import jax
     import numpy as np
 
-    from rsqr_jax.cache import CacheSpec
+    from rsqr_jax.spec import CacheSpec
     from rsqr_jax.policy import unstack_policies
-    from rsqr_jax.stream import stream_nll
+    from rsqr_jax.engine import stream_nll
     from rsqr_jax.sweep import policy_grid, sweep_nll
 
     policies, names = policy_grid(args.grid)

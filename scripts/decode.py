@@ -178,7 +178,7 @@ def main() -> int:
 
     from models.llama import LoadedModel
     from models.loading import default_model_path, load_config
-    from rsqr_jax.cache import CacheSpec
+    from rsqr_jax.spec import CacheSpec
     from rsqr_jax.session import Session, SessionFileError, check_identity
 
     # Checks that need only the model's config (fast), before the tokenizer and weights are loaded.
@@ -288,7 +288,7 @@ def main() -> int:
 
     tps = n_gen / decode_s if decode_s > 0 else float("nan")
     status(f"session: {session.n_tokens} tokens through a cache of "
-           f"{spec.ring_capacity} window + {spec.surv_capacity} survivor slots; {n_prompt} prompt tokens, "
+           f"{spec.win_capacity} window + {spec.surv_capacity} survivor slots; {n_prompt} prompt tokens, "
            f"{n_gen} generated at {tps:.1f} tok/s; prefill {prefill_s:.2f}s")
     if args.json:
         result = {"text": replies[-1] if len(replies) == 1 else "\n\n".join(replies), "replies": replies,

@@ -84,8 +84,8 @@ def main() -> int:
     if args.policy != "full" and args.chunk > args.window:
         raise UsageError(f"--chunk {args.chunk} is larger than --window {args.window}")
 
-    from rsqr_jax.cache import CacheSpec
-    from rsqr_jax.stream import stream_nll
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.engine import stream_nll
 
     loaded, apply_fn, params = load_model_from_args(args)
     cfg = loaded.config

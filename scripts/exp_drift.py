@@ -15,7 +15,7 @@ rotation from raw (`rsqr` / `streamingllm`), at three levels.
 2. Attention.  Captured queries/keys, sinks + a window of W keys, each key at the rotation count it
    has in a rerotate stream (uniform h, or the steady-state profile of block b); KL(p64 || p) and total
    variation of the attention distribution against a float64 rank-timeline reference.
-3. Model.  Stream a Frankenstein excerpt token by token through rsqr_jax.stream.step with the real
+3. Model.  Stream a Frankenstein excerpt token by token through rsqr_jax.update.step with the real
    policies (rerotate, rsqr; sinks + window, block 1 and 8, and one configuration with survivors), in
    three precisions: float32 model + float32 cache, float32 model + bfloat16 cache, bfloat16 model +
    bfloat16 cache; plus the float32-model/bfloat16-cache stream started at global position 1e5.
@@ -462,18 +462,18 @@ def exp_attention(q, k, inv, cfg_run):
 
 
 def _stream_runner(apply_fn):
-    from rsqr_jax.cache import plan_step
-    from rsqr_jax.stream import step
+    from rsqr_jax.update import plan_step
+    from rsqr_jax.update import step
 
     def one(params, carry, policy, toks_K):
         def body(carry, tok):
             cache, rot_ring, rot_surv = carry
             plan = plan_step(cache, policy, 1)
-            inc = plan.rerotate.astype(jnp.int32)
-            rot_ring = rot_ring.at[plan.ring_slot].set(1, mode="drop") + inc * plan.ring_hop
-            rot_surv = rot_surv.at[plan.surv_slot].set(1, mode="drop") + inc * plan.surv_hop
+            inc = plan.upkeep.rerotate.astype(jnp.int32)
+            rot_ring = rot_ring.at[plan.writes.win_slot_C].set(1, mode="drop") + inc * plan.upkeep.win_hop_W
+            rot_surv = rot_surv.at[plan.writes.surv_slot_C].set(1, mode="drop") + inc * plan.upkeep.surv_hop_S
             logits, cache = step(apply_fn, params, tok.reshape(1, 1), cache, policy)
-            in_ring, in_surv = plan.win_pos >= 0, plan.surv_valid
+            in_ring, in_surv = plan.kernel.win_pos_W >= 0, plan.kernel.surv_valid_S
             r_max = jnp.maximum(jnp.max(jnp.where(in_ring, rot_ring, 0)),
                                 jnp.max(jnp.where(in_surv, rot_surv, 0), initial=0))
             n_in = jnp.sum(in_ring) + jnp.sum(in_surv)
@@ -495,7 +495,8 @@ def exp_model(loaded, weights, tokens, cfg_run, oracle_check=True):
     """Stream `tokens` under every (configuration, policy) in three precisions; compare logits per step."""
     from models.llama import Llama, split_apply
     from rsqr_jax import policy as P
-    from rsqr_jax.cache import CacheSpec, init_cache
+    from rsqr_jax.cache import init_cache
+    from rsqr_jax.spec import CacheSpec
 
     cfg = loaded.config
     T = len(tokens)
@@ -542,7 +543,7 @@ def exp_model(loaded, weights, tokens, cfg_run, oracle_check=True):
         cache = init_cache(spec, start=start) if start else init_cache(spec)
         n = len(idx)
         carry = (jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), cache),
-                 jnp.zeros((n, spec.ring_capacity), jnp.int32), jnp.zeros((n, spec.surv_capacity), jnp.int32))
+                 jnp.zeros((n, spec.win_capacity), jnp.int32), jnp.zeros((n, spec.surv_capacity), jnp.int32))
         streams[pname] = dict(idx=idx, policies=pols, carry=carry, params=params, run=_stream_runner(apply_fn),
                               spec=spec)
     ref_of = {}  # ci -> index of its reference in the f32 stream
@@ -626,7 +627,7 @@ def exp_model(loaded, weights, tokens, cfg_run, oracle_check=True):
             }
     # float64 oracle check of the float32 stream (reference and the other paths) on the prefix.
     if T_o:
-        from tests.oracle import reference_token_sets, stream_logits_f64
+        from rsqr_jax.testing.oracle import reference_token_sets, stream_logits_f64
 
         out["oracle"] = {"tokens": T_o}
         w64 = {k: np.asarray(v, np.float64) for k, v in weights.items()}

@@ -104,11 +104,11 @@ def advance_fn():
     if "advance" not in _JIT:
         import jax
 
-        from rsqr_jax.cache import plan_step
+        from rsqr_jax.update import commit, plan_step
 
         def advance(cache, policy, n):
             def body(_, c):
-                return c.replace(**plan_step(c, policy, 1).next_state)
+                return commit(c, plan_step(c, policy, 1))
 
             return jax.lax.fori_loop(0, n, body, cache)
 
@@ -123,21 +123,22 @@ def trace_fn(n_steps: int):
         import jax
         import jax.numpy as jnp
 
-        from rsqr_jax.cache import plan_step, window_start
+        from rsqr_jax.policy import window_start
+        from rsqr_jax.update import plan_step
 
         def trace(cache, policy):
             def body(c, _):
                 plan = plan_step(c, policy, 1)
                 S = c.surv_pos.shape[0]
-                nxt = plan.next_state
+                nxt = vars(plan.next)
                 i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
                 out = {
-                    "n_window": i32(jnp.sum(plan.win_pos >= 0)),
-                    "n_surv": i32(jnp.sum(plan.surv_valid)),
-                    "new_surv": i32(jnp.sum(plan.surv_slot < S)),
-                    "hops": i32(jnp.where(plan.rerotate, jnp.sum(plan.ring_hop) + jnp.sum(plan.surv_hop), 0)),
-                    "refresh": i32(jnp.where(plan.refresh, jnp.sum(plan.refresh_mask), 0)),
-                    "replay": i32(plan.replay_event),
+                    "n_window": i32(jnp.sum(plan.kernel.win_pos_W >= 0)),
+                    "n_surv": i32(jnp.sum(plan.kernel.surv_valid_S)),
+                    "new_surv": i32(jnp.sum(plan.writes.surv_slot_C < S)),
+                    "hops": i32(jnp.where(plan.upkeep.rerotate, jnp.sum(plan.upkeep.win_hop_W) + jnp.sum(plan.upkeep.surv_hop_S), 0)),
+                    "refresh": i32(jnp.where(plan.upkeep.refresh, jnp.sum(plan.upkeep.refresh_S), 0)),
+                    "replay": i32(plan.upkeep.replay),
                     "release": i32(window_start(nxt["t"], policy.window, policy.block, c.start)
                                    != window_start(c.t, policy.window, policy.block, c.start)),
                     "dropped": i32(jnp.sum((c.surv_pos >= 0) & (nxt["surv_pos"] < 0))),
@@ -169,7 +170,7 @@ def randomize_kv(cache, seed: int):
 
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     upd = {}
-    for k, name in zip(keys, ("ring_k", "ring_v", "surv_k", "surv_v", "surv_k_rot")):
+    for k, name in zip(keys, ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot")):
         x = getattr(cache, name)
         upd[name] = (0.5 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
     return cache.replace(**upd)
@@ -193,14 +194,15 @@ class Runner:
         self.args, self.loaded, self.apply_fn, self.params, self.text_ids = args, loaded, apply_fn, params, text_ids
 
     def session(self, pol, max_len: int = 0):
-        from rsqr_jax.cache import CacheSpec, init_cache
+        from rsqr_jax.cache import init_cache
+        from rsqr_jax.spec import CacheSpec
         from rsqr_jax.session import Session
 
         cfg = self.loaded.config
         spec = CacheSpec.for_policies(pol, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                       head_dim=cfg.head_dim, dtype=self.args.dtype, max_chunk=1, max_len=max_len)
         s = Session(self.apply_fn, self.params, spec, pol, prefill_chunk=1)
-        s.compiled(1)
+        s.warmup()
         s.cache = randomize_kv(init_cache(spec), self.args.seed)
         return s, spec
 
@@ -257,7 +259,7 @@ def _p50(st: dict | None) -> str:
 
 def memory_table(args, cfg):
     """rsqr cache bytes by part against W and delta (analytic: CacheSpec.bytes_by_part)."""
-    from rsqr_jax.cache import CacheSpec
+    from rsqr_jax.spec import CacheSpec
     from rsqr_jax.policy import make_policy
 
     out = []
@@ -367,7 +369,7 @@ def main() -> int:
         if mode != "full":
             s, spec = run.session(pol)
             sessions[name] = s
-            entries[name].update(cache_bytes=spec.bytes_by_part(pol), ring_capacity=spec.ring_capacity,
+            entries[name].update(cache_bytes=spec.bytes_by_part(pol), win_capacity=spec.win_capacity,
                                  surv_capacity=spec.surv_capacity, compile_s=s.compile_s)
     status(f"compiled {len(sessions)} sessions ({time.perf_counter() - t_all:.0f}s)")
     for pos in sorted(set(args.positions) | set(full_positions if "full" in args.policies else [])):
@@ -381,7 +383,7 @@ def main() -> int:
                 pol = make(args, mode, over)
                 s, spec = run.session(pol, max_len=round_up(pos + n_steps + 2))
                 entries[name]["probes"].append(run.probe(s, mode, pos, n_steps) | {
-                    "ring_capacity": spec.ring_capacity, "cache_bytes": spec.bytes_by_part(pol)})
+                    "win_capacity": spec.win_capacity, "cache_bytes": spec.bytes_by_part(pol)})
                 del s
             elif pos in args.positions:
                 entries[name]["probes"].append(run.probe(sessions[name], mode, pos, n_steps))

@@ -284,7 +284,7 @@ def arm_policy(arm: str, proto: Protocol, n_sink: int, uncapped: int):
 
 
 def _adv(apply_fn, params, cache, policy, tokens_BxC, n_valid):
-    from rsqr_jax.stream import step
+    from rsqr_jax.update import step
 
     _, cache = step(apply_fn, params, tokens_BxC, cache, policy, n_valid)
     return cache
@@ -295,7 +295,7 @@ def _ask(apply_fn, n_gen, params, cache, policy, question_BxC, n_q):
     import jax
     import jax.numpy as jnp
 
-    from rsqr_jax.stream import step
+    from rsqr_jax.update import step
 
     logits, cache = step(apply_fn, params, question_BxC, cache, policy, n_q)
     first = jnp.argmax(jnp.take(logits, n_q - 1, axis=1), axis=-1).astype(jnp.int32)
@@ -347,7 +347,8 @@ def layout_of(cache, policy, mode: str, n_sink: int, digit_pos: list[list[int]])
     the distance, on the arm's attention timeline, from the next position to the fact's first digit."""
     import numpy as np
 
-    from rsqr_jax.cache import cached_positions, window_start
+    from rsqr_jax.cache import cached_positions
+    from rsqr_jax.policy import window_start
 
     t = int(cache.t)
     kept = cached_positions(cache, policy)
@@ -472,7 +473,7 @@ class Experiment:
         self.token_rows = 0
 
     def runner(self, dtype: str, key: str, policies, max_len: int = 0):
-        from rsqr_jax.cache import CacheSpec
+        from rsqr_jax.spec import CacheSpec
 
         if (dtype, key) not in self.runners:
             lm, apply_fn, params = self.loaded[dtype]

@@ -139,7 +139,7 @@ class Stepper:
         import numpy as np
 
         from rsqr_jax.cache import init_cache
-        from rsqr_jax.stream import step
+        from rsqr_jax.update import step
 
         self.traces = 0
 
@@ -239,7 +239,7 @@ def main() -> int:
     import jax
     import numpy as np
 
-    from rsqr_jax.cache import CacheSpec
+    from rsqr_jax.spec import CacheSpec
     from rsqr_jax.policy import stack_policies
 
     compiles = []

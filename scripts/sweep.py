@@ -179,7 +179,7 @@ def main() -> int:
 
     from eval_stream import read_tokens
     from models.llama import load_model, split_apply
-    from rsqr_jax.cache import CacheSpec
+    from rsqr_jax.spec import CacheSpec
     from rsqr_jax.policy import unstack_policies
     from rsqr_jax.sweep import make_mesh, summarize, sweep_nll
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from rsqr_jax import policy as P
-from rsqr_jax.cache import CacheSpec, validate
+from rsqr_jax.spec import CacheSpec, validate
 from rsqr_jax.policy import PolicyError
 from rsqr_jax.session import Session, SessionFileError
-from rsqr_jax.stream import stream_nll
+from rsqr_jax.engine import stream_nll
 from tests.test_cli import assert_one_line_error, run
 from tests.tiny_session import CFG, IDENTITY, POLICIES, SPEC, make_session, model
 
@@ -193,7 +193,7 @@ def test_make_policy_rejects(kw, fragment):
 @pytest.mark.parametrize("change,fragment", [
     (dict(num_layers=0), "num_layers must be an integer >= 1"),
     (dict(head_dim=15), "head_dim must be even"),
-    (dict(ring_capacity=-1), "ring_capacity must be an integer >= 1"),
+    (dict(win_capacity=-1), "win_capacity must be an integer >= 1"),
     (dict(surv_capacity=1.5), "surv_capacity must be an integer >= 0"),
     (dict(max_chunk=0), "max_chunk must be an integer >= 1"),
     (dict(dtype="int8"), "cache dtype must be a floating type"),
@@ -226,7 +226,7 @@ def test_session_constructor_rejects():
         (dict(temperature=-1.0), "temperature must be finite and >= 0"),
         (dict(temperature=float("inf")), "temperature must be finite and >= 0"),
         (dict(seed=2**32), "seed must be an integer in [0, 2**32)"),
-        (dict(policy=P.rsqr(window=64)), "exceeds the ring capacity"),  # PolicyError (a ValueError)
+        (dict(policy=P.rsqr(window=64)), "exceeds the window capacity"),  # PolicyError (a ValueError)
     ]
     for kw, fragment in cases:
         args = dict(spec=SPEC, policy=pol) | kw
@@ -284,7 +284,7 @@ def test_stream_nll_rejects():
         stream_nll(apply_fn, params, tokens, pol, SPEC, chunk=4, segment=10)
     full_spec = CacheSpec.for_policies(P.full(), num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
                                        head_dim=CFG.head_dim, max_len=8)
-    with pytest.raises(ValueError, match="needs ring capacity >= 10"):
+    with pytest.raises(ValueError, match="needs window capacity >= 10"):
         stream_nll(apply_fn, params, tokens, P.full(), full_spec)
     with pytest.raises(PolicyError, match="chunk 8 exceeds the cache's max_chunk 4"):
         stream_nll(apply_fn, params, tokens, pol, SPEC, chunk=8, segment=8)

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax import policy as P
-from rsqr_jax.cache import CacheSpec, init_cache
-from rsqr_jax.stream import step, stream_nll
+from rsqr_jax.cache import init_cache
+from rsqr_jax.spec import CacheSpec
+from rsqr_jax.engine import stream_nll
+from rsqr_jax.update import step
 from tests.tiny_session import CFG, make_session, model
 
 
@@ -70,7 +72,7 @@ def test_jit_and_eager_agree():
     with jax.disable_jit():
         got, cache = _stream(_step, tokens)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    for name in ("ring_pos", "surv_pos", "surv_rank", "t"):
+    for name in ("win_pos", "surv_pos", "surv_rank", "t"):
         np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(ref_cache, name)))
     chex.assert_trees_all_close(jax.tree.map(np.asarray, cache), jax.tree.map(np.asarray, ref_cache),
                                 rtol=1e-5, atol=1e-5)

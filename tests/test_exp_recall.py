@@ -22,10 +22,11 @@ import exp_recall as er  # noqa: E402
 from _common import UsageError  # noqa: E402
 from models.llama import Llama, split_apply  # noqa: E402
 from rsqr_jax import policy as P  # noqa: E402
-from rsqr_jax.cache import CacheSpec, init_cache  # noqa: E402
-from rsqr_jax.stream import step  # noqa: E402
-from tests.oracle import reference_token_sets  # noqa: E402
-from tests.tiny_model import tiny_config, tiny_weights  # noqa: E402
+from rsqr_jax.cache import init_cache
+from rsqr_jax.spec import CacheSpec  # noqa: E402
+from rsqr_jax.update import step  # noqa: E402
+from rsqr_jax.testing.oracle import reference_token_sets  # noqa: E402
+from rsqr_jax.testing.tiny import tiny_config, tiny_weights  # noqa: E402
 
 CFG = tiny_config(layers=4)  # 2 layers barely propagate context into the question's logits
 

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
-from rsqr_jax.attention import layer_attention
-from rsqr_jax.cache import CacheSpec, cached_positions, init_cache, plan_step
-from rsqr_jax.stream import step
-from tests.oracle import reference_token_sets, stream_logits_f64
-from tests.tiny_model import tiny_config, tiny_weights
+from rsqr_jax.cache import cached_positions, init_cache
+from rsqr_jax.spec import CacheSpec
+from rsqr_jax.update import attend_layer, commit, plan_step, step
+from rsqr_jax.testing.oracle import reference_token_sets, stream_logits_f64
+from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
 CFG = tiny_config()
 
@@ -173,9 +173,9 @@ def _attention_stream(mode, T, dtype, seed=0, window=16, n_sink=2, block=1):
         def body(cache, x):
             qt, kt, vt = x
             plan = plan_step(cache, pol, 1)
-            out, cache = layer_attention(jnp.int32(0), qt[None, None], kt[None, None], vt[None, None], cache, plan,
+            out, cache = attend_layer(jnp.int32(0), qt[None, None], kt[None, None], vt[None, None], cache, plan,
                                          inv_freq)
-            return cache.replace(**plan.next_state), out[0, 0]
+            return commit(cache, plan), out[0, 0]
 
         return jax.lax.scan(body, init_cache(spec), (q, k, v))[1]
 
@@ -226,7 +226,7 @@ def test_rsqr_float32_attention_matches_oracle_at_every_step():
 # ---------------------------------------------------------------------------------------------------------
 # Which tokens stay: the cache bookkeeping against the pure-Python model of DESIGN section 3.
 
-SET_SPEC = CacheSpec(num_layers=1, batch=1, num_kv_heads=1, head_dim=2, ring_capacity=24, surv_capacity=40,
+SET_SPEC = CacheSpec(num_layers=1, batch=1, num_kv_heads=1, head_dim=2, win_capacity=24, surv_capacity=40,
                      max_chunk=4)
 
 
@@ -236,8 +236,8 @@ def _positions_runner(chunk: int, n_steps: int):
     def run(policy):
         def body(cache, _):
             plan = plan_step(cache, policy, chunk)
-            cache = cache.replace(**plan.next_state)
-            return cache, (cache.ring_pos, cache.surv_pos, cache.t)
+            cache = commit(cache, plan)
+            return cache, (cache.win_pos, cache.surv_pos, cache.t)
 
         return jax.lax.scan(body, init_cache(SET_SPEC), None, length=n_steps)[1]
 
@@ -253,7 +253,7 @@ def test_token_set_matches_design_model(window, n_sink, delta, cap, block, overf
     pol = P.make_policy(mode, window=window, n_sink=n_sink, delta=delta, max_survivors=cap, block=block,
                         overflow=overflow)
     h = pol.host()
-    from rsqr_jax.cache import validate
+    from rsqr_jax.spec import validate
 
     validate(pol, SET_SPEC, chunk=chunk)
     n_steps = 48 // chunk
@@ -262,7 +262,7 @@ def test_token_set_matches_design_model(window, n_sink, delta, cap, block, overf
                                max_survivors=h["max_survivors"], block=h["block"], overflow=overflow, chunk=chunk)
     for i, (n, expected) in enumerate(ref):
         assert ts[i] == n
-        from rsqr_jax.cache import window_start
+        from rsqr_jax.policy import window_start
 
         w0 = int(window_start(jnp.int32(n), pol.window, pol.block))
         got = sorted(set(int(g) for g in ring[i] if g >= w0) | set(int(g) for g in surv[i] if 0 <= g < w0))
@@ -300,10 +300,10 @@ def test_validation_rejects_impossible_policies():
         P.rsqr(delta=-1)
     with pytest.raises(P.PolicyError, match="overflow"):
         P.rsqr(overflow="lifo")
-    from rsqr_jax.cache import validate
+    from rsqr_jax.spec import validate
 
-    small = CacheSpec(1, 1, 1, 2, ring_capacity=8, surv_capacity=4)
-    with pytest.raises(P.PolicyError, match="ring capacity"):
+    small = CacheSpec(1, 1, 1, 2, win_capacity=8, surv_capacity=4)
+    with pytest.raises(P.PolicyError, match="window capacity"):
         validate(P.rsqr(window=16, n_sink=1, delta=4, max_survivors=1), small)
     with pytest.raises(P.PolicyError, match="survivor capacity"):
         validate(P.rsqr(window=8, n_sink=2, delta=2, max_survivors=8), small)

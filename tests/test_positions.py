@@ -14,10 +14,12 @@ import pytest
 import pallas_kernels.rope as kernel_rope
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
-from rsqr_jax.cache import CacheSpec, cached_positions, init_cache, window_start
+from rsqr_jax.cache import cached_positions, init_cache
+from rsqr_jax.policy import window_start
+from rsqr_jax.spec import CacheSpec
 from rsqr_jax.rope import RopeScaling, inverse_frequencies, rope_angles
-from rsqr_jax.stream import step
-from tests.tiny_model import tiny_config, tiny_weights
+from rsqr_jax.update import step
+from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
 I32_MAX = 2**31 - 1
 # pi to 60 digits, typed here independently of the library's constant.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rsqr_jax import session as S
-from rsqr_jax.cache import CacheSpec
+from rsqr_jax.spec import CacheSpec
 from rsqr_jax.session import Session, SessionFileError
 from tests.test_cli import run
 from tests.tiny_session import CFG, IDENTITY, POLICIES, SPEC, make_session, model
@@ -173,7 +173,7 @@ def test_other_model_identity_is_refused(saved):
 
 def test_other_spec_or_policy_is_refused(saved):
     path, _, _ = saved
-    other = dataclasses.replace(SPEC, ring_capacity=SPEC.ring_capacity + 1)
+    other = dataclasses.replace(SPEC, win_capacity=SPEC.win_capacity + 1)
     _refused(path, "has cache spec", spec=other)
     _refused(path, "has policy", policy=POLICIES["rsqr"])
     assert _load(path, spec=SPEC, policy=POLICIES["replay"]).n_tokens == 33  # the right ones load
@@ -192,10 +192,10 @@ def test_well_formed_but_inconsistent_files_are_refused(saved, tmp_path):
     p = tmp_path / "w.session"
 
     _rewrite(path, p, lambda h, a: h.update(version=S.FORMAT_VERSION + 1))
-    _refused(p, "format version 2")
+    _refused(p, f"format version {S.FORMAT_VERSION + 1}")
 
     def grow_ring(h, a):
-        h["spec"] = {**h["spec"], "ring_capacity": h["spec"]["ring_capacity"] + 4}
+        h["spec"] = {**h["spec"], "win_capacity": h["spec"]["win_capacity"] + 4}
     _rewrite(path, p, grow_ring)
     _refused(p, "but its spec needs")  # arrays no longer match the (self-consistent) spec
 
@@ -285,10 +285,10 @@ def test_bfloat16_cache_round_trips_bitwise(tmp_path):
     rng = np.random.default_rng()
     s.cache = s.cache.replace(**{name: jax.numpy.asarray(rng.normal(size=getattr(s.cache, name).shape),
                                                          spec.dtype)
-                                 for name in ("ring_k", "ring_v", "surv_k", "surv_v")})
+                                 for name in ("win_k", "win_v", "surv_k", "surv_v")})
     s.save(tmp_path / "bf16.session", IDENTITY)
     r = Session.load(tmp_path / "bf16.session", apply_fn, params, IDENTITY)
-    assert r.cache.ring_k.dtype == spec.dtype and isinstance(r.spec, CacheSpec) and r.spec == spec
+    assert r.cache.win_k.dtype == spec.dtype and isinstance(r.spec, CacheSpec) and r.spec == spec
     _assert_same_state(s, r)
 
 

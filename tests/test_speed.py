@@ -1,6 +1,6 @@
 """Speed-related changes that must not change results, and the analytic rotation counts of exp_latency.
 
-* bfloat16 caches on CPU run through the model as uint16 bits (rsqr_jax.stream / attention): bit-identical
+* bfloat16 caches on CPU run through the model as uint16 bits (rsqr_jax.update): bit-identical
   to the plain bfloat16 path;
 * a Session compiles its step with the policy as constants: same tokens as the data-policy step;
 * greedy sampling skips the sort (lax.cond): same token as argmax, and temperature > 0 still samples;
@@ -20,11 +20,13 @@ import pytest
 
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
-from rsqr_jax import stream as S
-from rsqr_jax.cache import CacheSpec, init_cache
+from rsqr_jax import update as U
+from rsqr_jax.engine import stream_nll
+from rsqr_jax.cache import init_cache
+from rsqr_jax.spec import CacheSpec
 from rsqr_jax.sampling import sample
 from rsqr_jax.session import Session
-from tests.tiny_model import tiny_config, tiny_weights
+from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config()
@@ -46,16 +48,16 @@ def test_bfloat16_bits_path_is_bit_identical(monkeypatch):
     spec = CacheSpec.for_policies(BITS_POLICIES, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
                                   head_dim=CFG.head_dim, dtype="bfloat16", max_chunk=3)
     tokens = np.random.default_rng().integers(0, CFG.vocab_size, size=(1, 30)).astype(np.int32)
-    run = lambda: S.stream_nll(apply_fn, params, tokens, pols, spec, chunk=3, segment=9,  # noqa: E731
+    run = lambda: stream_nll(apply_fn, params, tokens, pols, spec, chunk=3, segment=9,  # noqa: E731
                                vmap_policies=True)
     nll_bits, cache_bits = run()
-    assert cache_bits.ring_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"  # the bits path ran
-    monkeypatch.setattr(S, "_bits_on_cpu", lambda cache: False)
-    S._RUNNERS.clear()
+    assert cache_bits.win_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"  # the bits path ran
+    monkeypatch.setattr(U, "_bits_on_cpu", lambda cache: False)
+    jax.clear_caches()  # the engine's compiled functions were traced with the bits path
     try:
         nll_plain, cache_plain = run()
     finally:
-        S._RUNNERS.clear()
+        jax.clear_caches()
     assert np.isfinite(nll_bits).all()
     np.testing.assert_array_equal(nll_bits, nll_plain)
     for a, b in zip(jax.tree.leaves(cache_bits), jax.tree.leaves(cache_plain)):
@@ -98,7 +100,7 @@ _DATA_STEPS: dict = {}
 
 def _data_step(apply_fn):
     if apply_fn not in _DATA_STEPS:
-        _DATA_STEPS[apply_fn] = jax.jit(lambda p, tok, c, pol, n: S.step(apply_fn, p, tok, c, pol, n))
+        _DATA_STEPS[apply_fn] = jax.jit(lambda p, tok, c, pol, n: U.step(apply_fn, p, tok, c, pol, n))
     return _DATA_STEPS[apply_fn]
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
-from rsqr_jax.cache import CacheSpec
-from rsqr_jax.stream import stream_nll
+from rsqr_jax.spec import CacheSpec
+from rsqr_jax.engine import stream_nll
 from rsqr_jax.sweep import policy_grid, summarize, sweep_nll
-from tests.tiny_model import tiny_config, tiny_weights
+from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
 CFG = tiny_config()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from models.llama import Llama, split_apply
     from rsqr_jax.sweep import make_mesh, policy_grid, sweep_nll
-    from tests.tiny_model import tiny_config, tiny_weights
+    from rsqr_jax.testing.tiny import tiny_config, tiny_weights
     assert jax.device_count() == 4, jax.devices()
     cfg = tiny_config()
     apply_fn, params = split_apply(Llama(cfg, tiny_weights(cfg, 0), dtype=jnp.float32))
@@ -91,9 +91,9 @@ _CHILD = textwrap.dedent("""
     for p_dev, b_dev in ((4, 1), (2, 2)):
         nll, cache = sweep_nll(apply_fn, params, tokens, pols, config=cfg, segment={segment},
                                mesh=make_mesh(4, batch_devices=b_dev), return_cache=True)
-        sh = cache.ring_k.sharding
+        sh = cache.win_k.sharding
         assert len(sh.device_set) == 4 and tuple(sh.spec)[:3] == ("policy", None, "batch"), sh
-        assert cache.ring_k.shape[0] == -(-len(names) // p_dev) * p_dev and len(cache.ring_k.addressable_shards) == 4
+        assert cache.win_k.shape[0] == -(-len(names) // p_dev) * p_dev and len(cache.win_k.addressable_shards) == 4
         out[f"nll_{{p_dev}}x{{b_dev}}"] = nll
     np.savez({out!r}, **out)
 """)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
-from rsqr_jax.cache import CacheSpec
+from rsqr_jax.spec import CacheSpec
 from rsqr_jax.session import Session
-from tests.tiny_model import tiny_config, tiny_weights
+from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
 CFG = tiny_config()
 IDENTITY = {"model": "tiny-random", "seed": 0, "vocab_size": CFG.vocab_size, "dtype": "float32"}

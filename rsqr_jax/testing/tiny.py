@@ -26,3 +26,13 @@ def tiny_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     if not cfg.tie_word_embeddings:
         w["lm_head"] = n(H, V, fan=H)
     return {k: np.asarray(v, np.float32) for k, v in w.items()}
+
+
+def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, *, dtype: str = "float32", kernel: str = "xla"):
+    """(apply_fn, params) of a tiny random Llama (the decoder of `models`, imported here lazily)."""
+    import jax.numpy as jnp
+
+    from models.llama import Llama, split_apply
+
+    cfg = tiny_config() if cfg is None else cfg
+    return split_apply(Llama(cfg, tiny_weights(cfg, seed), dtype=jnp.dtype(dtype)), kernel=kernel)

@@ -1,0 +1,158 @@
+"""Pieces every experiment shares, written once: bad-config errors, status lines and progress bars, token
+reading, statistics (Wilson interval, exact McNemar, block bootstrap, perplexity), timing, atomic JSON
+writes and turning SIGTERM into an orderly interruption."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """An experiment configuration that cannot run (reported by the scripts as one line, exit code 2)."""
+
+
+def status(msg: str) -> None:
+    """A status line on stderr (stdout is kept for results and --json)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def progress(total: int, desc: str, *, enabled: bool = True, unit: str = "tok"):
+    """The one progress mechanism (tqdm on stderr); a disabled bar costs nothing and prints nothing."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token reading.
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The text of a UTF-8 file; ConfigError (one line) if it is missing or empty."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"text file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise ConfigError(f"text file {path} is empty")
+    return text
+
+
+def read_tokens(tokenizer, path: str | os.PathLike, n: int, *, add_special_tokens: bool = False) -> np.ndarray:
+    """The first n token ids (int32) of a text file, tokenizing only as much of the text as needed.
+
+    The prefix grows until it yields n tokens; a prefix can tokenize its last word differently from the
+    whole text, so n tokens of a longer prefix are taken (the result equals encoding the whole text
+    whenever the n-th token is not at the cut)."""
+    text = read_text(path)
+    chars = 4 * n + 1000
+    while True:
+        ids = tokenizer.encode(text[:chars], add_special_tokens=add_special_tokens)
+        if len(ids) > n or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < n:
+        raise ConfigError(f"{os.fspath(path)} has only {len(ids)} tokens; {n} are needed")
+    return np.asarray(ids[:n], np.int32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Statistics.
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score 95% interval for k successes out of n (0, 1 when n == 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))  # exact at k = 0 and k = n
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value for b vs c discordant pairs."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(0, min(b, c) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def block_bootstrap(x, block: int, n: int = 2000, seed: int = 0) -> list[float]:
+    """95% interval of the mean of x by resampling contiguous blocks (neighbouring tokens are dependent)."""
+    x = np.asarray(x)
+    nb = len(x) // block
+    if nb < 2:
+        return [float("nan"), float("nan")]
+    means = x[:nb * block].reshape(nb, block).mean(1)
+    rng = np.random.default_rng(seed)
+    boots = means[rng.integers(0, nb, size=(n, nb))].mean(1)
+    return [float(v) for v in np.percentile(boots, [2.5, 97.5])]
+
+
+def ppl(nll) -> float:
+    """Perplexity of a sequence of per-token NLLs."""
+    return float(math.exp(float(np.mean(nll))))
+
+
+def ppl_curve(nll, bucket: int) -> list[dict]:
+    """Perplexity of each consecutive bucket of scored tokens (the last one may be shorter)."""
+    return [{"start": s, "end": min(s + bucket, len(nll)), "ppl": ppl(nll[s:s + bucket])}
+            for s in range(0, len(nll), bucket)]
+
+
+def check_finite(key: str, nll) -> None:
+    if not np.all(np.isfinite(nll)):
+        raise RuntimeError(f"{key}: non-finite NLL (numerical failure)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing, files, interruption.
+
+
+class Timer:
+    """Wall and process-CPU seconds of a block (CPU time counts every thread of this process)."""
+
+    def __enter__(self):
+        self.w0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.w0
+        self.cpu = time.process_time() - self.c0
+
+
+def write_json_atomic(path, obj: dict) -> None:
+    """Write JSON to a temporary file beside `path`, then rename: a killed run never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """Inside the block SIGTERM raises KeyboardInterrupt, so a killed run unwinds like Ctrl-C and keeps
+    what it finished; the previous handler comes back afterwards."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,370 @@
+"""The one owner of the per-step update: which slot each new token goes to, which positions the kernel
+sees, what upkeep each policy runs, and the positions committed afterwards (DESIGN sections 3-5).
+
+A step is planned once (`plan_step`, shared by every layer), then every layer writes its K/V and runs
+its upkeep (`update_layer`, called by the model once per layer through `attend_layer`), then the caller
+commits `plan.next` (`step` does all three for a chunk). Policy-specific work is read from the mode
+traits table (`policy.MODE_TRAITS`) and guarded by `lax.cond`, so a single fixed policy pays only for its
+own branch (under `vmap` a cond becomes a select: the price of a mixed sweep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.rope import rope_cos_sin, rotate_half_split
+from rsqr_jax import attention
+from rsqr_jax import policy as P
+from rsqr_jax.cache import KV_FIELDS, KVCache, init_cache
+from rsqr_jax.policy import Policy, is_flagged, mode_traits, window_start
+from rsqr_jax.spec import CacheSpec
+
+ApplyFn = Callable  # (params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache)
+
+
+def _dataclass(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_dataclass
+class Writes:
+    """Where each chunk token's K/V is written (slot out of range = not written) and the position its key
+    is rotated at when written (0 = stored raw)."""
+
+    win_slot_C: jax.Array
+    win_rot_pos_C: jax.Array
+    surv_slot_C: jax.Array
+    surv_rot_pos_C: jax.Array
+
+
+@_dataclass
+class KernelArgs:
+    """The position arguments of the two-segment kernel (DESIGN section 6), shared by every layer.
+
+    win_pos_W: position of each window slot in the window query's frame (-1 = not attended);
+    surv_rot_pos_S: the position each survivor key is rotated at inside the kernel (0 = the stored key
+    as is); surv_valid_S: which survivor slots are attended; q_pos_win_C / q_pos_surv_C: the query's
+    position for each segment (the relocation).
+    """
+
+    win_pos_W: jax.Array
+    q_pos_win_C: jax.Array
+    surv_rot_pos_S: jax.Array
+    surv_valid_S: jax.Array
+    q_pos_surv_C: jax.Array
+
+
+@_dataclass
+class Upkeep:
+    """Policy upkeep of the step. rerotate: rotate stored keys again by (new - old) where *_hop;
+    refresh: rotate rsqr_precompute's copy at surv_rank where refresh_S; rotate_window: streamingllm's
+    rotation of the raw window at win_rank; replay: consolidate (recompute K/V by a forward pass)."""
+
+    rerotate: jax.Array
+    win_hop_W: jax.Array
+    surv_hop_S: jax.Array
+    win_rot_old_W: jax.Array
+    win_rot_new_W: jax.Array
+    surv_rot_old_S: jax.Array
+    surv_rot_new_S: jax.Array
+    refresh: jax.Array
+    refresh_S: jax.Array
+    use_precompute: jax.Array
+    rotate_window: jax.Array
+    replay: jax.Array
+    win_rank_W: jax.Array
+    surv_rank_S: jax.Array
+    q_rank_C: jax.Array
+
+
+@_dataclass
+class Positions:
+    """The cache's position fields after the step (committed by `commit`)."""
+
+    win_pos: jax.Array
+    win_stored_rot: jax.Array
+    surv_pos: jax.Array
+    surv_rank: jax.Array
+    surv_stored_rot: jax.Array
+    surv_copy_pos: jax.Array
+    t: jax.Array
+
+
+@_dataclass
+class StepPlan:
+    """Everything a layer needs to update its K/V and attend, for one chunk; identical for all layers."""
+
+    writes: Writes
+    kernel: KernelArgs
+    upkeep: Upkeep
+    next: Positions
+
+
+def order_index(mask: jax.Array, key: jax.Array) -> jax.Array:
+    """0-based rank of each masked entry among the masked entries, ordered by key (O(S log S))."""
+    order = jnp.argsort(jnp.where(mask, key, jnp.iinfo(jnp.int32).max), stable=True)
+    return jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=key.dtype))
+
+
+def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None) -> StepPlan:
+    """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
+
+    Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
+    token that is exactly DESIGN's set(t); for a chunk it is StreamingLLM's evict-for-space).
+    """
+    C = chunk
+    n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)
+    mode = mode_traits(policy.mode)
+    g_C = cache.t + jnp.arange(C, dtype=jnp.int32)
+    real_C = jnp.arange(C) < n_valid
+    n = cache.t + n_valid
+    W, S = cache.win_pos.shape[0], cache.surv_pos.shape[0]
+    N = policy.n_sink
+    w0 = window_start(n, policy.window, policy.block, cache.start)
+    r_C = g_C - cache.start  # stream-relative positions: what sinks and flags are defined on
+
+    win_slot = jnp.where(real_C, g_C % W, W)
+    win_pos = cache.win_pos.at[win_slot].set(g_C, mode="drop")
+
+    # Sinks and flagged tokens get a survivor entry on arrival (their raw shadow while in the window).
+    need_C = real_C & ((r_C < N) | is_flagged(r_C, N, policy.delta))
+    free_slots = jnp.nonzero(cache.surv_pos < 0, size=C, fill_value=S)[0] if S else jnp.full((C,), S)
+    k_C = jnp.clip(jnp.cumsum(need_C) - 1, 0, C - 1)
+    surv_slot = jnp.where(need_C, free_slots[k_C], S)
+    surv_pos = cache.surv_pos.at[surv_slot].set(g_C, mode="drop")
+
+    # Overflow: too many non-sink survivors (entries that left the window).
+    ev = (surv_pos >= 0) & (surv_pos < w0) & (surv_pos - cache.start >= N)
+    k_ev = jnp.sum(ev)
+    age = order_index(ev, surv_pos)
+    cap = policy.max_survivors
+    fifo_drop = ev & (age < k_ev - cap)
+    k_half = k_ev - k_ev // 2
+    dec_drop = ev & (k_ev > cap) & ((age % 2 == 1) | ((age // 2) < k_half - cap))
+    drop = jnp.where(policy.overflow == P.OVERFLOW_ID["fifo"], fifo_drop, dec_drop)
+    surv_pos = jnp.where(drop, -1, surv_pos)
+
+    # Rank timeline: survivor segment (sinks + survivors that left the window), then the window.
+    live = surv_pos >= 0
+    att = live & (surv_pos < w0)
+    n_seg = jnp.sum(att).astype(jnp.int32)
+    surv_rank = jnp.where(live, jnp.where(att, order_index(att, surv_pos), n_seg + surv_pos - w0), -1)
+    win_in = (win_pos >= 0) & (win_pos >= w0)
+    win_rank = jnp.where(win_in, n_seg + win_pos - w0, -1)
+    q_rank = n_seg + g_C - w0
+
+    win_write = jnp.where(mode.rank_store, q_rank, jnp.where(mode.raw_window, 0, g_C))
+    surv_write = jnp.where(mode.rank_store, q_rank, jnp.where(mode.surv_global, g_C, 0))
+
+    # Stored-rotation bookkeeping (rerotate hops, replay events).
+    win_rot_old = cache.win_stored_rot.at[win_slot].set(win_write, mode="drop")
+    surv_rot_old = cache.surv_stored_rot.at[surv_slot].set(surv_write, mode="drop")
+    win_hop = win_in & (win_rank != win_rot_old)
+    surv_hop = live & (surv_rank != surv_rot_old)
+    any_hop = jnp.any(win_hop) | jnp.any(surv_hop)
+    win_rot_new = jnp.where(mode.rank_store & win_in, win_rank, win_rot_old)
+    surv_rot_new = jnp.where(mode.rank_store & live, surv_rank, surv_rot_old)
+
+    # rsqr_precompute: (re)rotate the copy of survivors whose rank is new or changed.
+    if cache.surv_copy_pos.shape[0]:
+        copy_pos = cache.surv_copy_pos.at[surv_slot].set(-1, mode="drop")
+        refresh_S = att & (copy_pos != surv_rank)
+        refresh = mode.precompute & jnp.any(refresh_S)
+        copy_pos = jnp.where(mode.precompute & refresh_S, surv_rank, copy_pos)
+    else:
+        copy_pos, refresh_S, refresh = cache.surv_copy_pos, jnp.zeros((S,), bool), jnp.asarray(False)
+
+    return StepPlan(
+        writes=Writes(win_slot, win_write, surv_slot, surv_write),
+        kernel=KernelArgs(
+            win_pos_W=jnp.where(win_in, jnp.where(mode.rank_window, win_rank, win_pos), -1),
+            q_pos_win_C=jnp.where(mode.rank_window, q_rank, g_C),
+            surv_rot_pos_S=jnp.where(mode.surv_in_kernel & att, surv_rank, 0),
+            surv_valid_S=att,
+            q_pos_surv_C=jnp.where(mode.surv_global, g_C, q_rank)),
+        upkeep=Upkeep(
+            rerotate=mode.rerotate & any_hop, win_hop_W=win_hop, surv_hop_S=surv_hop,
+            win_rot_old_W=win_rot_old, win_rot_new_W=win_rot_new, surv_rot_old_S=surv_rot_old,
+            surv_rot_new_S=surv_rot_new, refresh=refresh, refresh_S=refresh_S, use_precompute=mode.precompute,
+            rotate_window=mode.raw_window, replay=mode.replay & any_hop, win_rank_W=win_rank, surv_rank_S=surv_rank,
+            q_rank_C=q_rank),
+        next=Positions(win_pos=win_pos, win_stored_rot=win_rot_new, surv_pos=surv_pos, surv_rank=surv_rank,
+                       surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, t=n),
+    )
+
+
+def commit(cache: KVCache, plan: StepPlan) -> KVCache:
+    """The cache with the step's new positions and counters."""
+    return cache.replace(**{f.name: getattr(plan.next, f.name) for f in dataclasses.fields(Positions)})
+
+
+# ----------------------------------------------------------------------------------------------------
+# K/V storage. bfloat16 K/V on CPU travel through the layer scan as their uint16 bits (`step` bitcasts
+# once per step): XLA:CPU has no bfloat16 dynamic-update-slice/select, so it converts the *whole*
+# [L, ...] buffer to float32 and back around every write - per layer, per step - and loses the in-place
+# update; that made a bfloat16 cache ~2x slower per decode step than float32 (~7x under vmap). uint16
+# writes stay in place and the stored bits are identical.
+BITS_DTYPE = jnp.uint16
+
+
+def _logical_dtype(buf: jax.Array):
+    return jnp.dtype(jnp.bfloat16) if buf.dtype == BITS_DTYPE else buf.dtype
+
+
+def _get(buf: jax.Array, layer) -> jax.Array:
+    """One layer of a K/V buffer, in its logical dtype."""
+    x = buf[layer]
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
+
+
+def _set(buf: jax.Array, idx, update: jax.Array) -> jax.Array:
+    """buf.at[idx].set(update, mode="drop") for a K/V buffer in its storage dtype (bits or not)."""
+    update = update.astype(_logical_dtype(buf))
+    if buf.dtype == BITS_DTYPE:
+        update = jax.lax.bitcast_convert_type(update, BITS_DTYPE)
+    return buf.at[idx].set(update, mode="drop")
+
+
+def _bits_on_cpu(cache: KVCache) -> bool:
+    return cache.win_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
+def _kv_bitcast(cache: KVCache, dtype) -> KVCache:
+    return cache.replace(**{f: jax.lax.bitcast_convert_type(getattr(cache, f), dtype) for f in KV_FIELDS})
+
+
+def _rotate_BxHxNxD(k, pos_N, inv_freq):
+    """R_pos k for keys [B, H, N, D] at positions pos_N [N] (float32 result)."""
+    cos, sin = rope_cos_sin(pos_N, inv_freq)  # [N, D/2]
+    return rotate_half_split(k, cos, sin)
+
+
+def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array, cache: KVCache,
+                 plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
+    """Write this chunk's K/V of layer `layer` and run the policy's upkeep on that layer.
+
+    Returns the cache (only K/V arrays change: dynamic-update-slices of the scan carry, in place under
+    jit) and this layer's kernel segments (win_k, win_v, seg_k, seg_v), each [B, Hkv, N, D].
+    """
+    wr, up = plan.writes, plan.upkeep
+    dt = _logical_dtype(cache.win_k)
+    k_BxHxCxD = jnp.swapaxes(k_BxCxHkvxD, 1, 2)
+    v_BxHxCxD = jnp.swapaxes(v_BxCxHkvxD, 1, 2).astype(dt)
+    at = lambda slot: (layer, slice(None), slice(None), slot)  # noqa: E731
+    win_new = _rotate_BxHxNxD(k_BxHxCxD, wr.win_rot_pos_C, inv_freq).astype(dt)
+    win_k = _set(cache.win_k, at(wr.win_slot_C), jnp.moveaxis(win_new, 2, 0))
+    win_v = _set(cache.win_v, at(wr.win_slot_C), jnp.moveaxis(v_BxHxCxD, 2, 0))
+    surv_k, surv_v, surv_k_rot = cache.surv_k, cache.surv_v, cache.surv_k_rot
+    has_surv = surv_k.shape[3] > 0
+    if has_surv:
+        surv_new = _rotate_BxHxNxD(k_BxHxCxD, wr.surv_rot_pos_C, inv_freq).astype(dt)
+        surv_k = _set(surv_k, at(wr.surv_slot_C), jnp.moveaxis(surv_new, 2, 0))
+        surv_v = _set(surv_v, at(wr.surv_slot_C), jnp.moveaxis(v_BxHxCxD, 2, 0))
+
+    # rerotate: rotate stored keys again by the rank decrease, rounding to the storage dtype each hop.
+    # The conds act on this layer's slice only: under vmap (a policy sweep) a cond becomes a select of
+    # its outputs, and selecting the whole [L, ...] stack in every layer made sweeps ~2.5x slower.
+    def hop(k, old, new, mask):
+        moved = _rotate_BxHxNxD(k, new - old, inv_freq).astype(dt)
+        return jnp.where(mask[:, None], moved, k)
+
+    win_k = _set(win_k, layer, jax.lax.cond(
+        up.rerotate, lambda k: hop(k, up.win_rot_old_W, up.win_rot_new_W, up.win_hop_W), lambda k: k,
+        _get(win_k, layer)))
+    if has_surv:
+        surv_k = _set(surv_k, layer, jax.lax.cond(
+            up.rerotate, lambda k: hop(k, up.surv_rot_old_S, up.surv_rot_new_S, up.surv_hop_S), lambda k: k,
+            _get(surv_k, layer)))
+
+    # rsqr_precompute: rotate new/renumbered survivors from raw at their rank into the copy.
+    if surv_k_rot.shape[3]:
+        def refresh(copy):
+            fresh = _rotate_BxHxNxD(_get(surv_k, layer), up.surv_rank_S, inv_freq).astype(dt)
+            return jnp.where(up.refresh_S[:, None], fresh, copy)
+
+        surv_k_rot = _set(surv_k_rot, layer, jax.lax.cond(up.refresh, refresh, lambda c: c, _get(surv_k_rot, layer)))
+
+    # streamingllm: every cached key is rotated from raw at its rank, every step.
+    seg_win_k = jax.lax.cond(up.rotate_window,
+                             lambda k: _rotate_BxHxNxD(k, up.win_rank_W, inv_freq).astype(dt), lambda k: k,
+                             _get(win_k, layer))
+    seg_surv_k = _get(surv_k, layer)
+    if surv_k_rot.shape[3]:
+        seg_surv_k = jax.lax.cond(up.use_precompute, lambda: _get(surv_k_rot, layer), lambda: seg_surv_k)
+    cache = cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v, surv_k_rot=surv_k_rot)
+    return cache, (seg_win_k, _get(win_v, layer), seg_surv_k, _get(surv_v, layer))
+
+
+def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
+                 cache: KVCache, plan: StepPlan, inv_freq, *, kernel: str = "xla") -> tuple[jax.Array, KVCache]:
+    """What a model layer calls: update this layer's cache (`update_layer`), then attend over both segments.
+
+    Returns the attention output [B, C, Hq, D] and the cache; positions are committed once per step
+    by `step` (from `plan.next`), not here.
+    """
+    cache, (win_k, win_v, surv_k, surv_v) = update_layer(layer, k_BxCxHkvxD, v_BxCxHkvxD, cache, plan, inv_freq)
+    ka = plan.kernel
+    out = attention.attend(q_BxCxHqxD, win_k, win_v, ka.win_pos_W, surv_k, surv_v, ka.surv_rot_pos_S, ka.surv_valid_S,
+                           ka.q_pos_win_C, ka.q_pos_surv_C, inv_freq, kernel)
+    return out, cache
+
+
+# ----------------------------------------------------------------------------------------------------
+# One whole step of a chunk.
+
+
+def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
+    """Consolidation: recompute K/V of every cached token by a forward pass over the cached ids at their
+    ranks 0..n-1 (fresh full-attention cache), scatter them back, and take this chunk's logits from it."""
+    L, B, H, W, D = cache.win_k.shape
+    S = cache.surv_k.shape[3]
+    n_cap = W + S
+    up = plan.upkeep
+    win_in = up.win_rank_W >= 0
+    surv_att = plan.kernel.surv_valid_S
+    ids = jnp.zeros((B, n_cap), jnp.int32)
+    ids = ids.at[:, jnp.where(win_in, up.win_rank_W, n_cap)].set(cache.win_tok, mode="drop")
+    if S:
+        ids = ids.at[:, jnp.where(surv_att, up.surv_rank_S, n_cap)].set(cache.surv_tok, mode="drop")
+    n_cached = jnp.sum(win_in) + jnp.sum(surv_att)
+    fresh = init_cache(CacheSpec(L, B, H, D, n_cap, 0, str(cache.win_k.dtype), max_chunk=n_cap))
+    logits_all, fresh = apply_fn(params, ids, fresh, plan_step(fresh, P.full(), n_cap, n_cached))
+
+    def gather(fresh_kv, dst, mask, rank):
+        """dst with the entries in `mask` replaced by the fresh K or V of the token at `rank`."""
+        src = jnp.take(fresh_kv, jnp.clip(rank, 0, n_cap - 1), axis=3)
+        return jnp.where(mask[:, None], src, dst)
+
+    surv_live = up.surv_rank_S >= 0
+    win_k = gather(fresh.win_k, cache.win_k, win_in, up.win_rank_W)
+    win_v = gather(fresh.win_v, cache.win_v, win_in, up.win_rank_W)
+    surv_k = gather(fresh.win_k, cache.surv_k, surv_live, up.surv_rank_S) if S else cache.surv_k
+    surv_v = gather(fresh.win_v, cache.surv_v, surv_live, up.surv_rank_S) if S else cache.surv_v
+    logits = jnp.take(logits_all, jnp.clip(up.q_rank_C, 0, n_cap - 1), axis=1)
+    return logits, cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v)
+
+
+def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
+         n_valid: jax.Array | int | None = None) -> tuple[jax.Array, KVCache]:
+    """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache."""
+    plan = plan_step(cache, policy, tokens_BxC.shape[1], n_valid)
+    if cache.win_tok.shape[1]:
+        cache = cache.replace(win_tok=cache.win_tok.at[:, plan.writes.win_slot_C].set(tokens_BxC, mode="drop"))
+    if cache.surv_tok.shape[1]:
+        cache = cache.replace(surv_tok=cache.surv_tok.at[:, plan.writes.surv_slot_C].set(tokens_BxC, mode="drop"))
+
+    def forward(cache):
+        if not _bits_on_cpu(cache):
+            return apply_fn(params, tokens_BxC, cache, plan)
+        logits, bits = apply_fn(params, tokens_BxC, _kv_bitcast(cache, BITS_DTYPE), plan)
+        return logits, _kv_bitcast(bits, jnp.bfloat16)
+
+    if cache.win_tok.shape[1]:
+        logits, cache = jax.lax.cond(plan.upkeep.replay, lambda c: _replay(apply_fn, params, c, plan), forward, cache)
+    else:
+        logits, cache = forward(cache)
+    return logits, commit(cache, plan)
