@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "frankenstein.txt"
 
