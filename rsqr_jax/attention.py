@@ -8,7 +8,6 @@ into each segment is decided by rsqr_jax.update; this module only picks the impl
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.survivor_attention import survivor_attention, survivor_attention_reference, survivor_attention_xla
 
@@ -27,13 +26,11 @@ def resolve_kernel(kernel: str) -> str:
     return kernel
 
 
-def attend(q_BxCxHqxD, win_k, win_v, win_pos_W, surv_k, surv_v, surv_rot_pos_S, surv_valid_S, q_pos_win_C,
-           q_pos_surv_C, inv_freq, kernel: str):
-    """The contract with positions shared by the batch (broadcast to [B, ...] here)."""
-    B = q_BxCxHqxD.shape[0]
-    bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
-    args = (q_BxCxHqxD, win_k, win_v, bc(win_pos_W), surv_k, surv_v, bc(surv_rot_pos_S), bc(surv_valid_S),
-            bc(q_pos_win_C), bc(q_pos_surv_C), inv_freq)
+def attend(q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_win_BxC,
+           q_pos_surv_BxC, inv_freq, kernel: str):
+    """The contract (positions per batch row) with the chosen implementation."""
+    args = (q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_win_BxC,
+            q_pos_surv_BxC, inv_freq)
     impl = {"pallas": survivor_attention, "xla": survivor_attention_xla,
             "reference": survivor_attention_reference}[resolve_kernel(kernel)]
     return impl(*args)

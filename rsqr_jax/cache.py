@@ -11,6 +11,12 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   rsqr / rsqr_precompute / streamingllm, rotated for the rotated-storage policies.
 * surv_k_rot [L, B, Hkv, S or 0, D]: rsqr_precompute's copy of each survivor rotated at its rank.
 * win_tok / surv_tok [B, W or 0] / [B, S or 0]: token ids, only for replay.
+* cold_k / cold_v [L, B, Hkv, Nc, D], cold_sum [L, B, Hkv, Nc/P, D] float32, cold_pos [Nc]: the recall
+  tier's cold store (DESIGN section 3b; Nc = CacheSpec.cold_slots, 0 without one). Every non-sink token
+  is written raw on arrival at ring slot (r - N) mod Nc, so the ring is made of pages of P consecutive
+  tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
+  (the page summary that recall scores), cold_pos each slot's global position (-1 = empty). A token is
+  recallable once it has left the window; the window itself is never read from here.
 
 Positions are shared by all layers and all batch rows (every row advances in lockstep), so they are
 stored once: win_pos / surv_pos (global position of the token in each slot, -1 = empty),
@@ -40,7 +46,7 @@ from rsqr_jax.policy import Policy, window_start
 from rsqr_jax.spec import CacheSpec
 
 MAX_POSITION = (1 << 31) - 1
-KV_FIELDS = ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot")
+KV_FIELDS = ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold_k", "cold_v")
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +67,10 @@ class KVCache:
     surv_rank: jax.Array
     surv_stored_rot: jax.Array
     surv_copy_pos: jax.Array
+    cold_k: jax.Array
+    cold_v: jax.Array
+    cold_sum: jax.Array
+    cold_pos: jax.Array
     t: jax.Array
     start: jax.Array
 
@@ -79,6 +89,7 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
     L, B, H, D = spec.num_layers, spec.batch, spec.num_kv_heads, spec.head_dim
     W, S = spec.win_capacity, spec.surv_capacity
     Sp = S if spec.precompute else 0
+    Nc = spec.cold_slots
     dt = jnp.dtype(spec.dtype)
     neg = lambda n: jnp.full((n,), -1, jnp.int32)  # noqa: E731
     return KVCache(
@@ -89,6 +100,8 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         surv_tok=jnp.zeros((B, S if spec.token_ids else 0), jnp.int32),
         win_pos=neg(W), win_stored_rot=jnp.zeros((W,), jnp.int32),
         surv_pos=neg(S), surv_rank=neg(S), surv_stored_rot=jnp.zeros((S,), jnp.int32), surv_copy_pos=neg(Sp),
+        cold_k=jnp.zeros((L, B, H, Nc, D), dt), cold_v=jnp.zeros((L, B, H, Nc, D), dt),
+        cold_sum=jnp.zeros((L, B, H, Nc // spec.page_size, D), jnp.float32), cold_pos=neg(Nc),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
 

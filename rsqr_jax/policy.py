@@ -17,6 +17,7 @@ import numpy as np
 MODES = ("full", "window", "streamingllm", "leave_gaps", "rerotate", "replay", "rsqr", "rsqr_precompute")
 OVERFLOWS = ("fifo", "decimate")
 MODE_ID = {name: i for i, name in enumerate(MODES)}
+RECALL_MODES = ("rsqr", "streamingllm")  # raw survivor keys: recalled tokens rotate exactly at their rank
 OVERFLOW_ID = {name: i for i, name in enumerate(OVERFLOWS)}
 FULL, WINDOW, STREAMINGLLM, LEAVE_GAPS, REROTATE, REPLAY, RSQR, RSQR_PRECOMPUTE = range(len(MODES))
 
@@ -82,7 +83,8 @@ class Policy:
     mode: index into MODES. window W: the window keeps W..W+block-1 most recent tokens.
     n_sink N: tokens 0..N-1 are kept forever. delta: every delta-th token leaving the window is kept
     as a survivor (0: none). max_survivors: cap on non-sink survivors. block: eviction granularity.
-    overflow: index into OVERFLOWS (what to drop past the cap).
+    overflow: index into OVERFLOWS (what to drop past the cap). recall_pages K: each layer attends, in
+    the raw segment, to the tokens of its top-K cold-store pages as well (DESIGN section 3b; 0 = off).
     """
 
     mode: jax.Array
@@ -92,6 +94,7 @@ class Policy:
     max_survivors: jax.Array
     block: jax.Array
     overflow: jax.Array
+    recall_pages: jax.Array
 
     @property
     def name(self) -> str:
@@ -107,6 +110,8 @@ class Policy:
             parts += [f"delta={v['delta']}", f"S={v['max_survivors']}", OVERFLOWS[v["overflow"]]]
         if v["block"] != 1:
             parts.append(f"b={v['block']}")
+        if v["recall_pages"]:
+            parts.append(f"recall={v['recall_pages']}")
         return f"{mode}({', '.join(parts)})"
 
     def host(self) -> dict:
@@ -123,18 +128,20 @@ def make_policy(
     max_survivors: int = 256,
     block: int = 1,
     overflow: str = "fifo",
+    recall_pages: int = 0,
 ) -> Policy:
     """Build and check one policy. full/window/streamingllm force the parameters their name implies.
 
     full: keeps everything (no eviction). window: last W tokens, no sinks, no survivors.
     streamingllm: sinks + window (delta = 0). The others use every parameter as given.
+    recall_pages > 0 (the recall tier) is defined for the raw-survivor modes only: rsqr, streamingllm.
     """
     if mode not in MODE_ID:
         raise PolicyError(f"unknown policy {mode!r}: choose one of {', '.join(MODES)}")
     if overflow not in OVERFLOW_ID:
         raise PolicyError(f"unknown overflow rule {overflow!r}: choose fifo or decimate")
     for name, value in (("window", window), ("n_sink", n_sink), ("delta", delta),
-                        ("max_survivors", max_survivors), ("block", block)):
+                        ("max_survivors", max_survivors), ("block", block), ("recall_pages", recall_pages)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise PolicyError(f"{name} must be an integer, got {value!r}")
         if not -UNBOUNDED <= value <= UNBOUNDED:  # int32-safe: window + block and friends cannot overflow
@@ -159,9 +166,14 @@ def make_policy(
         raise PolicyError(f"block must be >= 1, got {block}")
     if mode != "full" and window >= UNBOUNDED:
         raise PolicyError(f"window must be < {UNBOUNDED}")
+    if recall_pages < 0:
+        raise PolicyError(f"recall_pages must be >= 0 (0 = no recall), got {recall_pages}")
+    if recall_pages and mode not in RECALL_MODES:
+        raise PolicyError(f"{mode} cannot recall evicted tokens (recall_pages > 0 needs one of "
+                          f"{', '.join(RECALL_MODES)}: their survivor keys are raw)")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return Policy(i32(MODE_ID[mode]), i32(window), i32(n_sink), i32(delta), i32(max_survivors), i32(block),
-                  i32(OVERFLOW_ID[overflow]))
+                  i32(OVERFLOW_ID[overflow]), i32(recall_pages))
 
 
 def full() -> Policy:
@@ -172,8 +184,8 @@ def window(window: int = 256, *, block: int = 1) -> Policy:
     return make_policy("window", window=window, block=block)
 
 
-def streamingllm(window: int = 256, n_sink: int = 4, *, block: int = 1) -> Policy:
-    return make_policy("streamingllm", window=window, n_sink=n_sink, block=block)
+def streamingllm(window: int = 256, n_sink: int = 4, *, block: int = 1, recall_pages: int = 0) -> Policy:
+    return make_policy("streamingllm", window=window, n_sink=n_sink, block=block, recall_pages=recall_pages)
 
 
 def leave_gaps(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
@@ -191,9 +203,9 @@ def replay(window=256, n_sink=4, delta=8, max_survivors=256, block=8, overflow="
                        block=block, overflow=overflow)
 
 
-def rsqr(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+def rsqr(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo", recall_pages=0) -> Policy:
     return make_policy("rsqr", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
-                       block=block, overflow=overflow)
+                       block=block, overflow=overflow, recall_pages=recall_pages)
 
 
 def rsqr_precompute(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:

@@ -20,6 +20,10 @@ class CacheSpec:
     surv_capacity: slots of the survivor segment (sinks + capped survivors + the raw shadow copies of
     flagged tokens still in the window). precompute / token_ids: the rsqr_precompute copy and the replay
     token ids are allocated only when a policy of the spec needs them. max_chunk: the largest chunk fed.
+    cold_capacity / page_size / max_recall_pages: the recall tier (DESIGN section 3b): a per-layer cold
+    store that keeps at least the last cold_capacity evicted non-sink tokens (raw K/V, in pages of
+    page_size consecutive tokens), from which a policy may recall up to max_recall_pages pages per layer
+    and step (0: no cold store).
     """
 
     num_layers: int
@@ -32,23 +36,52 @@ class CacheSpec:
     precompute: bool = False
     token_ids: bool = False
     max_chunk: int = 1
+    cold_capacity: int = 0
+    page_size: int = 16
+    max_recall_pages: int = 0
 
     def __post_init__(self):
-        for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "win_capacity", "surv_capacity", "max_chunk"):
+        for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "win_capacity", "surv_capacity", "max_chunk",
+                     "cold_capacity", "page_size", "max_recall_pages"):
             v = getattr(self, name)
-            low = 0 if name == "surv_capacity" else 1
+            low = 0 if name in ("surv_capacity", "cold_capacity", "max_recall_pages") else 1
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"CacheSpec.{name} must be an integer >= {low}, got {v!r}")
         if self.head_dim % 2:
             raise ValueError(f"CacheSpec.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         float_dtype_name(self.dtype)
+        if self.cold_capacity % self.page_size:
+            raise ValueError(f"the cold capacity {self.cold_capacity} is not a multiple of the page size "
+                             f"{self.page_size}")
+        if self.max_recall_pages and not self.cold_capacity:
+            raise ValueError("max_recall_pages > 0 needs a cold store (cold_capacity > 0)")
+        if self.max_recall_pages > self.cold_slots // self.page_size:
+            raise ValueError(f"max_recall_pages {self.max_recall_pages} exceeds the cold store's "
+                             f"{self.cold_slots // self.page_size} pages")
+
+    @property
+    def cold_slots(self) -> int:
+        """Slots of the cold ring: cold_capacity evicted tokens plus room for the tokens still in the window
+        (every non-sink token is written raw on arrival) and for one partly overwritten page."""
+        if not self.cold_capacity:
+            return 0
+        P = self.page_size
+        return -(-(self.cold_capacity + self.win_capacity + self.max_chunk) // P) * P + P
+
+    @property
+    def recall_slots(self) -> int:
+        """Survivor-segment slots a layer adds per step for recalled tokens (gathered, not stored)."""
+        return self.max_recall_pages * self.page_size
 
     @classmethod
     def for_policies(cls, policies: Policy | list[Policy], *, num_layers: int, num_kv_heads: int, head_dim: int,
-                     batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0) -> "CacheSpec":
+                     batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0,
+                     cold_capacity: int = 0, page_size: int = 16, max_recall_pages: int | None = None) -> "CacheSpec":
         """The smallest spec that holds every given policy (a sweep batch gets the union).
 
         max_len bounds the stream for `full` (its window must hold everything) and nothing else.
+        cold_capacity / page_size: the recall tier's cold store; max_recall_pages defaults to the largest
+        recall_pages of the policies.
         """
         hosts = host_policies(policies)
         win, surv, pre, tok = 1, 0, False, False
@@ -57,7 +90,10 @@ class CacheSpec:
             win, surv = max(win, w), max(surv, s)
             pre |= h["mode"] == P.RSQR_PRECOMPUTE
             tok |= h["mode"] == P.REPLAY
-        return cls(num_layers, batch, num_kv_heads, head_dim, win, surv, float_dtype_name(dtype), pre, tok, max_chunk)
+        if max_recall_pages is None:
+            max_recall_pages = max(h["recall_pages"] for h in hosts)
+        return cls(num_layers, batch, num_kv_heads, head_dim, win, surv, float_dtype_name(dtype), pre, tok, max_chunk,
+                   cold_capacity, page_size, max_recall_pages)
 
     @property
     def entry_bytes(self) -> int:
@@ -73,6 +109,7 @@ class CacheSpec:
             h = host_policies(policy)[0]
             shadow = min(self.surv_capacity, _shadow_slots(h, self.max_chunk)) * self.entry_bytes
         key_bytes = self.entry_bytes // 2
+        summary_bytes = key_bytes // jnp.dtype(self.dtype).itemsize * 4  # one float32 mean key per page
         out = {
             "window": self.win_capacity * self.entry_bytes,
             "shadow": shadow,
@@ -80,8 +117,11 @@ class CacheSpec:
             "precompute": self.surv_capacity * key_bytes if self.precompute else 0,
             "token_ids": (self.win_capacity + self.surv_capacity) * self.batch * 4 if self.token_ids else 0,
             "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1) * 4,
+            "cold_store": self.cold_slots * (self.entry_bytes + 4) + (self.cold_slots // self.page_size) * summary_bytes,
         }
         out["total"] = sum(out.values())
+        # Working memory of the recalled tokens of one layer (gathered per step; not part of the stored cache).
+        out["recalled_slots"] = self.recall_slots * self.entry_bytes // self.num_layers
         return out
 
 
@@ -145,3 +185,9 @@ def validate(policy: Policy, spec: CacheSpec, *, chunk: int = 1) -> None:
             raise PolicyError("rsqr_precompute needs a cache with the precompute copy (CacheSpec.precompute)")
         if h["mode"] == P.REPLAY and not spec.token_ids:
             raise PolicyError("replay needs a cache that stores token ids (CacheSpec.token_ids)")
+        if h["recall_pages"] and P.MODES[h["mode"]] not in P.RECALL_MODES:
+            raise PolicyError(f"{name} cannot recall evicted tokens (recall_pages needs one of "
+                              f"{', '.join(P.RECALL_MODES)})")
+        if h["recall_pages"] > spec.max_recall_pages:
+            raise PolicyError(f"{name}: recall_pages {h['recall_pages']} exceeds the cache's max_recall_pages "
+                              f"{spec.max_recall_pages}" + ("" if spec.cold_capacity else " (no cold store)"))

@@ -59,8 +59,9 @@ _KEYS = {
     "max_survivors": "max_survivors", "survivors": "max_survivors", "s": "max_survivors",
     "block": "block", "b": "block",
     "overflow": "overflow",
+    "recall_pages": "recall_pages", "recall": "recall_pages",
 }
-_ORDER = ("mode", "window", "n_sink", "delta", "max_survivors", "block", "overflow")
+_ORDER = ("mode", "window", "n_sink", "delta", "max_survivors", "block", "overflow", "recall_pages")
 _STRING_KEYS = ("mode", "overflow")
 
 
@@ -81,7 +82,7 @@ def _parse_grid(grid) -> dict[str, list]:
         canon = _KEYS.get(str(key).lower())
         if canon is None:
             raise PolicyError(f"unknown grid key {key!r}: choose from mode, window, sinks, delta, max_survivors, "
-                              f"block, overflow")
+                              f"block, overflow, recall_pages")
         if canon in out:
             raise PolicyError(f"grid key {key!r} given twice")
         if not vals:
@@ -152,7 +153,8 @@ def make_mesh(n_devices: int | None = None, *, batch_devices: int = 1, devices=N
 
 def _cache_partition(cache: KVCache) -> KVCache:
     """PartitionSpec of each leaf of a policy-vmapped cache: [P] on "policy", text batch on "batch"."""
-    batch_axis = {"win_k": 2, "win_v": 2, "surv_k": 2, "surv_v": 2, "surv_k_rot": 2, "win_tok": 1, "surv_tok": 1}
+    batch_axis = {"win_k": 2, "win_v": 2, "surv_k": 2, "surv_v": 2, "surv_k_rot": 2, "win_tok": 1, "surv_tok": 1,
+                  "cold_k": 2, "cold_v": 2, "cold_sum": 2}
     specs = {}
     for f in dataclasses.fields(cache):
         nd = getattr(cache, f.name).ndim

@@ -11,6 +11,7 @@ own branch (under `vmap` a cond becomes a select: the price of a mixed sweep).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -39,6 +40,9 @@ class Writes:
     win_rot_pos_C: jax.Array
     surv_slot_C: jax.Array
     surv_rot_pos_C: jax.Array
+    cold_slot_C: jax.Array
+    cold_page_C: jax.Array
+    cold_restart_Pg: jax.Array
 
 
 @_dataclass
@@ -81,6 +85,25 @@ class Upkeep:
     q_rank_C: jax.Array
 
 
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages"],
+                   data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel"])
+@dataclasses.dataclass(frozen=True)
+class Recall:
+    """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
+    token_valid_Nc: cold slots holding a token that has left the window; surv_gpos_S: the survivors'
+    global positions (for deduplication and ranks); q_global_C / q_real_C: the chunk's positions and
+    which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
+    max_pages (static): pages gathered per layer (0 = no recall in this compilation)."""
+
+    k_pages: jax.Array
+    token_valid_Nc: jax.Array
+    surv_gpos_S: jax.Array
+    q_global_C: jax.Array
+    q_real_C: jax.Array
+    in_kernel: jax.Array
+    max_pages: int = 0
+
+
 @_dataclass
 class Positions:
     """The cache's position fields after the step (committed by `commit`)."""
@@ -91,16 +114,19 @@ class Positions:
     surv_rank: jax.Array
     surv_stored_rot: jax.Array
     surv_copy_pos: jax.Array
+    cold_pos: jax.Array
     t: jax.Array
 
 
 @_dataclass
 class StepPlan:
-    """Everything a layer needs to update its K/V and attend, for one chunk; identical for all layers."""
+    """Everything a layer needs to update its K/V and attend, for one chunk; identical for all layers
+    (but for the recalled pages, which each layer chooses from its own queries)."""
 
     writes: Writes
     kernel: KernelArgs
     upkeep: Upkeep
+    recall: Recall
     next: Positions
 
 
@@ -110,11 +136,13 @@ def order_index(mask: jax.Array, key: jax.Array) -> jax.Array:
     return jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=key.dtype))
 
 
-def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None) -> StepPlan:
+def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
+              max_recall_pages: int = 0) -> StepPlan:
     """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
 
     Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
     token that is exactly DESIGN's set(t); for a chunk it is StreamingLLM's evict-for-space).
+    max_recall_pages (static): how many cold pages a layer may recall (CacheSpec.max_recall_pages).
     """
     C = chunk
     n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)
@@ -178,8 +206,27 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     else:
         copy_pos, refresh_S, refresh = cache.surv_copy_pos, jnp.zeros((S,), bool), jnp.asarray(False)
 
+    # Recall tier: every real non-sink token is written raw into the cold ring at (r - N) mod Nc; a page
+    # whose first slot is written starts afresh (its older remnants are no longer recallable).
+    Nc = cache.cold_pos.shape[0]
+    n_pages = cache.cold_sum.shape[3]
+    if Nc:
+        Pg = Nc // n_pages
+        cold_C = real_C & (r_C >= N)
+        cold_slot = jnp.where(cold_C, (r_C - N) % Nc, Nc)
+        cold_page = jnp.where(cold_C, cold_slot // Pg, n_pages)
+        restart = jnp.zeros((n_pages,), jnp.int32).at[cold_page].max(
+            (cold_C & (cold_slot % Pg == 0)).astype(jnp.int32), mode="drop") > 0
+        cold_pos = jnp.where(jnp.repeat(restart, Pg), -1, cache.cold_pos).at[cold_slot].set(g_C, mode="drop")
+    else:
+        cold_slot = cold_page = jnp.zeros((C,), jnp.int32)
+        restart, cold_pos = jnp.zeros((0,), bool), cache.cold_pos
+    recall = Recall(k_pages=policy.recall_pages, token_valid_Nc=(cold_pos >= 0) & (cold_pos < w0),
+                    surv_gpos_S=surv_pos, q_global_C=g_C, q_real_C=real_C, in_kernel=mode.surv_in_kernel,
+                    max_pages=max_recall_pages if Nc else 0)
+
     return StepPlan(
-        writes=Writes(win_slot, win_write, surv_slot, surv_write),
+        writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, restart),
         kernel=KernelArgs(
             win_pos_W=jnp.where(win_in, jnp.where(mode.rank_window, win_rank, win_pos), -1),
             q_pos_win_C=jnp.where(mode.rank_window, q_rank, g_C),
@@ -192,8 +239,9 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
             surv_rot_new_S=surv_rot_new, refresh=refresh, refresh_S=refresh_S, use_precompute=mode.precompute,
             rotate_window=mode.raw_window, replay=mode.replay & any_hop, win_rank_W=win_rank, surv_rank_S=surv_rank,
             q_rank_C=q_rank),
+        recall=recall,
         next=Positions(win_pos=win_pos, win_stored_rot=win_rot_new, surv_pos=surv_pos, surv_rank=surv_rank,
-                       surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, t=n),
+                       surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, cold_pos=cold_pos, t=n),
     )
 
 
@@ -296,7 +344,74 @@ def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Arra
     if surv_k_rot.shape[3]:
         seg_surv_k = jax.lax.cond(up.use_precompute, lambda: _get(surv_k_rot, layer), lambda: seg_surv_k)
     cache = cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v, surv_k_rot=surv_k_rot)
+    if cache.cold_pos.shape[0]:
+        cache = _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache, plan, inv_freq)
     return cache, (seg_win_k, _get(win_v, layer), seg_surv_k, _get(surv_v, layer))
+
+
+def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> KVCache:
+    """The chunk's raw K/V into the cold ring, and each page's summary: the sum of its keys rotated at their
+    global positions (only the summary is rotated; the stored key stays raw)."""
+    wr = plan.writes
+    at = (layer, slice(None), slice(None), wr.cold_slot_C)
+    cold_k = _set(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
+    cold_v = _set(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
+    n_pages = cache.cold_sum.shape[3]
+    rot_BxHxCxD = _rotate_BxHxNxD(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
+    onehot_CxPg = (wr.cold_page_C[:, None] == jnp.arange(n_pages)[None]).astype(jnp.float32)
+    added = jnp.einsum("bhcd,cp->bhpd", rot_BxHxCxD, onehot_CxPg, precision=jax.lax.Precision.HIGHEST)
+    old = cache.cold_sum[layer]
+    cold_sum = cache.cold_sum.at[layer].set(jnp.where(wr.cold_restart_Pg[:, None], 0.0, old) + added)
+    return cache.replace(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
+
+
+def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq) -> jax.Array:
+    """Recall score of every cold page for this layer's queries, [B, Pg] (-inf for pages with nothing
+    recallable): the query rotated at its global position against the mean of the page's keys rotated at
+    theirs, maximised over the chunk's real rows, the query heads of a group and the KV heads."""
+    B, C, Hq, D = q_BxCxHqxD.shape
+    Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
+    Pg = cold_pos_Nc.shape[0] // n_pages
+    cos, sin = rope_cos_sin(recall.q_global_C, inv_freq)  # [C, D/2]
+    q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), cos[:, None], sin[:, None])
+    count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
+    mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
+    s = jnp.einsum("bckgd,bkpd->bckgp", q_rot.reshape(B, C, Hkv, Hq // Hkv, D), mean,
+                   precision=jax.lax.Precision.HIGHEST)
+    s = jnp.where(recall.q_real_C[None, :, None, None, None], s, -jnp.inf)
+    s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
+    valid_Pg = jnp.any(recall.token_valid_Nc.reshape(n_pages, Pg), axis=1)
+    return jnp.where(valid_Pg[None], s, -jnp.inf)
+
+
+def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k_pages pages per row ([B, max_pages] indices and an active mask); ties go to the more recent page."""
+    n_pages = scores_BxPg.shape[1]
+    newest_Pg = jnp.max(cold_pos_Nc.reshape(n_pages, -1), axis=1)
+    order = jnp.lexsort((jnp.broadcast_to(-newest_Pg, scores_BxPg.shape), -scores_BxPg), axis=-1)
+    idx = order[:, :max_pages]
+    chosen = jnp.take_along_axis(scores_BxPg, idx, axis=1)
+    active = (jnp.arange(max_pages)[None] < k_pages) & (chosen > -jnp.inf)
+    return idx, active
+
+
+def recall_segment(layer, q_BxCxHqxD, cache: KVCache, plan: StepPlan, inv_freq):
+    """This layer's recalled tokens: raw K/V [B, Hkv, R, D], global positions [B, R] and validity [B, R]
+    (R = max_pages * page size; a recalled token that is also an attended survivor counts once)."""
+    rc = plan.recall
+    B = q_BxCxHqxD.shape[0]
+    Nc, n_pages = cache.cold_pos.shape[0], cache.cold_sum.shape[3]
+    Pg, K = Nc // n_pages, rc.max_pages
+    cold_pos = plan.next.cold_pos
+    idx, active = choose_pages(page_scores(q_BxCxHqxD, cache.cold_sum[layer], cold_pos, rc, inv_freq),
+                               cold_pos, rc.k_pages, K)
+    slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, K * Pg)
+    gpos = cold_pos[slots_BxR]
+    surv_att = jnp.where(plan.kernel.surv_valid_S, rc.surv_gpos_S, -2)
+    dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)
+    valid = jnp.repeat(active, Pg, axis=1) & rc.token_valid_Nc[slots_BxR] & ~dup
+    take = lambda buf: jnp.take_along_axis(_get(buf, layer), slots_BxR[:, None, :, None], axis=2)  # noqa: E731
+    return take(cache.cold_k), take(cache.cold_v), gpos, valid
 
 
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
@@ -308,8 +423,22 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     """
     cache, (win_k, win_v, surv_k, surv_v) = update_layer(layer, k_BxCxHkvxD, v_BxCxHkvxD, cache, plan, inv_freq)
     ka = plan.kernel
-    out = attention.attend(q_BxCxHqxD, win_k, win_v, ka.win_pos_W, surv_k, surv_v, ka.surv_rot_pos_S, ka.surv_valid_S,
-                           ka.q_pos_win_C, ka.q_pos_surv_C, inv_freq, kernel)
+    B = q_BxCxHqxD.shape[0]
+    bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
+    surv_rot_pos, surv_valid, q_pos_surv = bc(ka.surv_rot_pos_S), bc(ka.surv_valid_S), bc(ka.q_pos_surv_C)
+    if plan.recall.max_pages:
+        # The raw segment becomes sinks + survivors + recalled, ordered by global position; each key is
+        # rotated at its rank and the survivor-segment query sits right after them (DESIGN section 3b).
+        rec_k, rec_v, rec_gpos, rec_valid = recall_segment(layer, q_BxCxHqxD, cache, plan, inv_freq)
+        surv_k, surv_v = jnp.concatenate([surv_k, rec_k], axis=2), jnp.concatenate([surv_v, rec_v], axis=2)
+        gpos = jnp.concatenate([bc(plan.recall.surv_gpos_S), rec_gpos], axis=1)
+        surv_valid = jnp.concatenate([surv_valid, rec_valid], axis=1)
+        rank = jax.vmap(order_index)(surv_valid, gpos)
+        surv_rot_pos = jnp.where(plan.recall.in_kernel & surv_valid,
+                                 rank, jnp.pad(surv_rot_pos, ((0, 0), (0, rec_gpos.shape[1]))))
+        q_pos_surv = q_pos_surv + jnp.sum(rec_valid, axis=1, dtype=jnp.int32)[:, None]
+    out = attention.attend(q_BxCxHqxD, win_k, win_v, bc(ka.win_pos_W), surv_k, surv_v, surv_rot_pos, surv_valid,
+                           bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
     return out, cache
 
 
@@ -349,9 +478,11 @@ def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
 
 
 def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
-         n_valid: jax.Array | int | None = None) -> tuple[jax.Array, KVCache]:
-    """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache."""
-    plan = plan_step(cache, policy, tokens_BxC.shape[1], n_valid)
+         n_valid: jax.Array | int | None = None, *, max_recall_pages: int = 0) -> tuple[jax.Array, KVCache]:
+    """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache.
+
+    max_recall_pages (static, CacheSpec.max_recall_pages): pages each layer may recall from the cold store."""
+    plan = plan_step(cache, policy, tokens_BxC.shape[1], n_valid, max_recall_pages=max_recall_pages)
     if cache.win_tok.shape[1]:
         cache = cache.replace(win_tok=cache.win_tok.at[:, plan.writes.win_slot_C].set(tokens_BxC, mode="drop"))
     if cache.surv_tok.shape[1]:

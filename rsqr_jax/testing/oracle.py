@@ -90,3 +90,26 @@ def stream_logits_f64(weights, cfg, tokens, token_sets, semantics):
             x = x + ((g_ / (1 + np.exp(-g_))) * (h @ w["w_up"][l])) @ w["w_down"][l]
         out.append(_rms(x, w["final_norm"], cfg.rms_norm_eps) @ head)
     return np.stack(out)
+
+
+def reference_cold_sets(T, *, window, n_sink, block, page_size, cold_slots, chunk=1):
+    """Recallable global positions after each step (DESIGN section 3b), as a plain-Python model of the cold
+    ring: every non-sink token g is written at slot (g - N) mod cold_slots; writing the first slot of a
+    page forgets the page's older remnants; a stored token is recallable once it has left the window."""
+    ring = [-1] * cold_slots
+    out, count, n = [], 0, 0
+    while n < T:
+        c = min(chunk, T - n)
+        for g in range(n, n + c):
+            count += 1
+            if count == window + block:
+                count -= block
+            if g >= n_sink:
+                slot = (g - n_sink) % cold_slots
+                if slot % page_size == 0:
+                    ring[slot:slot + page_size] = [-1] * page_size
+                ring[slot] = g
+        n += c
+        w0 = n - count
+        out.append((n, sorted(g for g in ring if 0 <= g < w0)))
+    return out

@@ -1,0 +1,206 @@
+"""The recall tier (DESIGN section 3b) on the tiny random model: the consequences DESIGN asks for and the
+cold ring's token-set model.
+
+* recall_pages = 0 equals plain rsqr; a cold store holding every evicted token with recall_pages >= its
+  page count equals `full` (rsqr and streamingllm, token by token and in chunks);
+* with recall on, rsqr equals the float64 rank oracle over sinks + survivors + recalled + window;
+* the cold ring keeps exactly what the pure-Python model says (hypothesis), the page choice matches a
+  numpy model of the scoring rule, one compilation per spec, recall settings vmap, bfloat16 ~ float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rsqr_jax as rj
+from rsqr_jax import policy as P
+from rsqr_jax.engine import TRACES
+from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
+from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
+from rsqr_jax.update import Recall, choose_pages, commit, page_scores, plan_step
+
+CFG = tiny_config()
+DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
+
+
+def _seed(name: str) -> int:
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"{name}: seed {seed}")  # a failing draw is reproducible from the log
+    return seed
+
+
+@functools.lru_cache(maxsize=None)
+def _model(seed=0, dtype="float32"):
+    return tiny_model(CFG, seed, dtype=dtype)
+
+
+def nll(policy, tokens, spec, chunk=1, seed=0):
+    apply_fn, params = _model(seed, spec.dtype)
+    out, _ = rj.stream_nll(apply_fn, params, tokens, policy, spec, chunk=chunk, segment=4 * chunk)
+    return out
+
+
+def spec_for(policies, T, *, chunk=1, cold=0, page=4, dtype="float32", max_pages=None):
+    return rj.CacheSpec.for_policies(policies, max_chunk=chunk, max_len=T, cold_capacity=cold, page_size=page,
+                                     max_recall_pages=max_pages, dtype=dtype, **DIMS)
+
+
+def test_recall_pages_zero_equals_plain_rsqr():
+    tokens = np.random.default_rng(_seed("zero")).integers(0, CFG.vocab_size, size=(1, 70))
+    plain = P.rsqr(8, 2, 3, 3)
+    base = nll(plain, tokens, spec_for([plain], 70))
+    with_store = nll(plain, tokens, spec_for([plain], 70, cold=32, max_pages=4))  # cold store, recall off
+    np.testing.assert_allclose(with_store, base, atol=5e-5, rtol=0)
+    full = nll(P.full(), tokens, spec_for([P.full()], 70))
+    assert np.abs(base - full).max() > 0.1  # evictions changed the answer: the equality is not vacuous
+
+
+@pytest.mark.parametrize("mode,chunk", [("rsqr", 1), ("rsqr", 4), ("streamingllm", 1), ("streamingllm", 4)])
+def test_recalling_every_evicted_token_equals_full(mode, chunk):
+    T = 64
+    tokens = np.random.default_rng(_seed("full")).integers(0, CFG.vocab_size, size=(1, T))
+    kw = dict(window=8, n_sink=2) | (dict(delta=3, max_survivors=3) if mode == "rsqr" else {})
+    pol = P.make_policy(mode, recall_pages=T // 4, **kw)  # every page of a store that holds everything
+    got = nll(pol, tokens, spec_for([pol], T, chunk=chunk, cold=T), chunk=chunk)
+    want = nll(P.full(), tokens, spec_for([P.full()], T, chunk=chunk), chunk=chunk)
+    np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
+    plain = P.make_policy(mode, **kw)
+    assert np.abs(nll(plain, tokens, spec_for([plain], T, chunk=chunk), chunk=chunk) - want).max() > 0.1
+
+
+def test_rsqr_with_recall_equals_the_float64_rank_oracle():
+    """A small cold ring (old pages overwritten) fully recalled: sinks + survivors + the ring's evicted
+    tokens + window, deduplicated, at their ranks, against the float64 oracle token by token."""
+    T, W, N, d, S, Pg = 72, 8, 2, 3, 3, 4
+    seed = _seed("oracle")
+    tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, size=T)
+    n_pages = spec_for([P.rsqr(W, N, d, S)], T, cold=8, page=Pg).cold_slots // Pg
+    pol = P.rsqr(W, N, d, S, recall_pages=n_pages)  # every page of a ring that holds >= 8 evicted tokens
+    spec = spec_for([pol], T, cold=8, page=Pg)
+    assert spec.cold_slots < T // 2  # old pages are overwritten
+    apply_fn, params = _model(2)
+    dec = rj.Decoder(apply_fn, spec)
+    cache, logits = dec.init_cache(), []
+    for t in range(T):
+        out, cache = dec.feed(params, tokens[None, t:t + 1], cache, pol)
+        logits.append(np.asarray(out[0, 0], np.float64))
+    sets = reference_token_sets(T, window=W, n_sink=N, delta=d, max_survivors=S, block=1)
+    cold = reference_cold_sets(T, window=W, n_sink=N, block=1, page_size=Pg, cold_slots=spec.cold_slots)
+    token_sets = [sorted(set(s) | set(c)) for (_, s), (_, c) in zip(sets, cold)]
+    assert any(len(ts) > len(s) for ts, (_, s) in zip(token_sets, sets))  # recall added tokens
+    want = stream_logits_f64(tiny_weights(CFG, 2), CFG, tokens, token_sets, "rank")
+    got = np.stack(logits)
+    assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) < 2e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(window=st.integers(2, 9), n_sink=st.integers(0, 3), block=st.integers(1, 3), page=st.integers(1, 4),
+       cold_pages=st.integers(1, 4), chunk=st.integers(1, 3))
+def test_cold_ring_keeps_what_the_model_says(window, n_sink, block, page, cold_pages, chunk):
+    chunk = min(chunk, window)
+    pol = P.rsqr(window, n_sink, 2, 2, block=block)
+    spec = rj.CacheSpec.for_policies(pol, num_layers=1, num_kv_heads=1, head_dim=2, max_chunk=chunk,
+                                     cold_capacity=cold_pages * page, page_size=page)
+    T = 40
+    cache = rj.init_cache(spec)
+    want = reference_cold_sets(T, window=window, n_sink=n_sink, block=block, page_size=page,
+                               cold_slots=spec.cold_slots, chunk=chunk)
+    for n, expected in want:
+        plan = plan_step(cache, pol, chunk, min(chunk, n - int(cache.t)))
+        cache = commit(cache, plan)
+        got = sorted(int(g) for g in np.asarray(cache.cold_pos)[np.asarray(plan.recall.token_valid_Nc)])
+        assert got == expected, (n, got, expected)
+        assert len(got) >= min(spec.cold_capacity, max(0, n - n_sink - window - block + 1))  # capacity honoured
+
+
+def test_page_choice_matches_a_numpy_model_of_the_scoring_rule():
+    rng = np.random.default_rng(_seed("scores"))
+    B, C, Hq, Hkv, D, n_pages, Pg = 2, 3, 4, 2, 8, 6, 4
+    q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
+    cold_sum = rng.normal(size=(B, Hkv, n_pages, D)).astype(np.float32)
+    cold_pos = np.arange(n_pages * Pg, dtype=np.int32) + 100
+    cold_pos[5 * Pg + 2:] = -1  # the newest page is partly written
+    valid = cold_pos >= 0
+    valid[:Pg] = False  # page 0 is not recallable (e.g. overwritten)
+    q_global = np.array([200, 201, 202], np.int32)
+    real = np.array([True, True, False])
+    inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    rc = Recall(jnp.int32(3), jnp.asarray(valid), jnp.zeros((1,), jnp.int32), jnp.asarray(q_global),
+                jnp.asarray(real), jnp.asarray(True), 3)
+    scores = np.asarray(page_scores(jnp.asarray(q), jnp.asarray(cold_sum), jnp.asarray(cold_pos), rc, jnp.asarray(inv)))
+    idx, active = choose_pages(jnp.asarray(scores), jnp.asarray(cold_pos), jnp.int32(2), 3)
+    # numpy model: rotate the query at its global position (rotate_half), score against each page's mean key
+    ang = q_global[:, None].astype(np.float64) * inv.astype(np.float64)[None]
+    c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    q1, q2 = q[..., : D // 2], q[..., D // 2:]
+    q_rot = np.concatenate([q1 * c - q2 * s, q2 * c + q1 * s], -1).reshape(B, C, Hkv, Hq // Hkv, D)
+    count = (cold_pos >= 0).reshape(n_pages, Pg).sum(1)
+    mean = cold_sum / np.maximum(count, 1)[None, None, :, None]
+    want = np.einsum("bckgd,bkpd->bckgp", q_rot, mean)[:, real].max(axis=(1, 2, 3))
+    want[:, 0] = -np.inf
+    np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-5)
+    for b in range(B):
+        order = sorted(range(n_pages), key=lambda p: (-want[b, p], -p))
+        assert list(np.asarray(idx[b])) == order[:3]
+    assert np.asarray(active).tolist() == [[True, True, False]] * B  # k = 2 of the 3 gathered
+
+
+def test_ties_go_to_the_more_recent_page():
+    scores = jnp.zeros((1, 4))
+    cold_pos = jnp.asarray([8, 9, 0, 1, 4, 5, 2, 3], jnp.int32)  # page 0 newest, then 2, 3, 1
+    idx, _ = choose_pages(scores, cold_pos, jnp.int32(4), 4)
+    assert np.asarray(idx[0]).tolist() == [0, 2, 3, 1]
+
+
+def test_one_compilation_per_spec_and_recall_settings_vmap():
+    T = 48
+    tokens = np.random.default_rng(_seed("vmap")).integers(0, CFG.vocab_size, size=(1, T))
+    pols = [P.rsqr(8, 2, 3, 3, recall_pages=k) for k in (0, 1, 3)] + [P.streamingllm(8, 2, recall_pages=2)]
+    spec = spec_for(pols, T, cold=24)
+    apply_fn, params = _model(0)
+    before = TRACES["score"]
+    batch, _ = rj.stream_nll(apply_fn, params, tokens, rj.stack_policies(pols), spec, segment=8, vmap_policies=True)
+    again, _ = rj.stream_nll(apply_fn, params, tokens[:, :40], rj.stack_policies(pols[::-1]), spec, segment=8,
+                             vmap_policies=True)
+    assert TRACES["score"] - before == 1  # two streams, reordered recall settings: one trace
+    for i, pol in enumerate(pols):
+        alone, _ = rj.stream_nll(apply_fn, params, tokens, pol, spec, segment=8)
+        np.testing.assert_allclose(batch[i], alone, atol=5e-5, rtol=0)
+    assert np.abs(batch[1] - batch[0]).max() > 1e-3 and np.abs(batch[2] - batch[1]).max() > 1e-3
+
+
+def test_bfloat16_cache_with_recall_tracks_float32():
+    T = 48
+    tokens = np.random.default_rng(_seed("bf16")).integers(0, CFG.vocab_size, size=(1, T))
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=T // 4)
+    f32 = nll(pol, tokens, spec_for([pol], T, cold=T))
+    bf16 = nll(pol, tokens, spec_for([pol], T, cold=T, dtype="bfloat16"))
+    full = nll(P.full(), tokens, spec_for([P.full()], T))
+    full_bf16 = nll(P.full(), tokens, spec_for([P.full()], T, dtype="bfloat16"))
+    np.testing.assert_allclose(f32, full, atol=5e-5, rtol=0)
+    # bfloat16 storage costs recall no more than it costs full attention (raw keys, rotated once in float32)
+    err, err_full = np.abs(bf16 - f32).mean(), np.abs(full_bf16 - full).mean()
+    assert 0 < err < 1.5 * err_full, (err, err_full)
+
+
+def test_recall_needs_a_raw_survivor_mode_a_cold_store_and_a_cap():
+    with pytest.raises(P.PolicyError, match="cannot recall"):
+        P.rerotate(8, 2, 3, 3, recall_pages=2)
+    with pytest.raises(P.PolicyError, match="recall_pages must be >= 0"):
+        P.rsqr(8, 2, 3, 3, recall_pages=-1)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=4)
+    with pytest.raises(P.PolicyError, match="exceeds the cache's max_recall_pages 2"):
+        rj.validate(pol, spec_for([pol], 32, cold=32, max_pages=2))
+    with pytest.raises(P.PolicyError, match="no cold store"):
+        rj.validate(pol, spec_for([P.rsqr(8, 2, 3, 3)], 32))
+    with pytest.raises(ValueError, match="not a multiple of the page size"):
+        spec_for([P.rsqr(8, 2, 3, 3)], 32, cold=30, page=4)
+    with pytest.raises(ValueError, match="exceeds the cold store's 6 pages"):
+        spec_for([P.rsqr(8, 2, 3, 3)], 32, cold=8, page=4, max_pages=7)
