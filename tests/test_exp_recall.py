@@ -327,9 +327,13 @@ def test_bad_filler_and_question_length(study, tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # The command line.
 
+# this checkout's packages, whatever checkout the editable install points at
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
 def _run(*args, timeout=600):
     return subprocess.run([sys.executable, str(REPO / "scripts" / "exp_recall.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+                          text=True, timeout=timeout, cwd=REPO, env=ENV)
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
@@ -373,7 +377,7 @@ def test_quick_run_sigterm_and_resume(tmp_path, smollm2_path):
     out = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "exp_recall.py"), "--quick", "--no-progress",
                              "--no-plot", "--out", str(out)],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO, env=ENV)
     for line in proc.stderr:  # SIGTERM as soon as the first arm has finished
         if line.startswith("  pinned"):
             proc.send_signal(signal.SIGTERM)
