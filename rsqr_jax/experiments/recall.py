@@ -6,19 +6,23 @@ Protocol (every quantity is also written to recall.json under "protocol"):
   with the SmolLM2 tokenizer), then streams `n_cycles * cycle_len` filler tokens (a random slice of the
   filler text), then asks " The secret number of NAME is" for one of the facts and decodes `gen_tokens`
   tokens greedily. Correct iff the fact's digit string appears in the decoded answer.
-* Streaming: the prefix and the filler are fed in chunks of `block` tokens (evict-for-space); the
-  question is one chunk, the answer is decoded one token per step (`Decoder.generate`). One stream per
-  trial serves every n_cycles: at each checkpoint the cache is copied, asked, and the stream continues
-  from the un-asked cache.
-* Variants: `pinned` = the facts lie inside the sinks (n_sink = length of the fact prefix); `unprotected`
-  = n_sink = 4 (the first four tokens "The secret number of"), so the digits survive only while in the
-  window or as survivors (every delta-th token, rsqr), or are lost.
+* Streaming: the prefix and the filler are fed in chunks of `block` tokens (evict-for-space: each chunk
+  attends to the cached set after the block it displaces has left); the question is one chunk, the
+  answer is decoded one token per step (`Decoder.generate`). One stream per trial serves every n_cycles:
+  at each checkpoint the cache is copied (the engine donates it), asked, and the stream continues from
+  the un-asked cache.
+* Variants: `pinned` = the facts lie inside the sinks (n_sink = length of the fact prefix, so they are
+  never evicted; rank-semantics arms see them at ranks 0..N-1, leave_gaps/full at their global
+  positions); `unprotected` = n_sink = 4 (the first four tokens "The secret number of"), so the digits
+  survive only while in the window or as survivors (every delta-th token, rsqr), or are lost.
 * Arms: full; replay, rerotate, leave_gaps, streamingllm (no survivors: delta = 0, the author's arms);
-  rsqr (delta survivors, uncapped); rsqr_cap (delta survivors, at most `cap`, fifo).
+  rsqr (delta survivors, uncapped: max_survivors larger than the stream can fill); rsqr_cap (delta
+  survivors, at most `cap`, fifo).
 * replay is evaluated on a short stream per (trial, checkpoint): the sinks plus the last filler tokens
   (at least window + 2 blocks, block-aligned with the long stream). Replay re-encodes every cached token
   from its id at each eviction, so its state depends only on the kept ids: the short stream reaches the
-  same state (tests/test_exp_recall.py checks this on a tiny model) at a fraction of the cost.
+  same state (tests/test_exp_recall.py checks this against the long stream on a tiny model) at a
+  fraction of the cost.
 
 A run writes OUT/recall.json after every finished arm; SIGTERM or Ctrl-C keeps the finished arms (the
 result is then incomplete) and `resume=True` continues such a run if its fingerprint matches.
@@ -27,7 +31,6 @@ result is then incomplete) and `resume=True` continues such a run if its fingerp
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -37,14 +40,17 @@ import numpy as np
 
 from rsqr_jax.experiments.common import (ConfigError, progress, read_text, sigterm_interrupts, status,
                                          write_json_atomic)
-from rsqr_jax.experiments.recall_report import PUBLISHED, RecallResult, paired, summarize
-from rsqr_jax.experiments.recall_setup import (ARMS, UNPROTECTED_SINKS, VARIANTS, Trials, answer_correct, chat_preamble, layout_of,
-                                               leading_digits, make_trials, read_facts, replay_short_len)
+from rsqr_jax.experiments.recall_report import (PUBLISHED, RecallResult, load_resumable, paired, summarize,
+                                                unfinished)
+from rsqr_jax.experiments.recall_setup import (ARMS, UNPROTECTED_SINKS, VARIANTS, Trials, answer_correct,
+                                               chat_preamble, layout_of, leading_digits, make_trials, read_facts,
+                                               replay_short_len)
 
-__all__ = ["ARMS", "VARIANTS", "RecallConfig", "RecallModel", "RecallResult", "Trials", "make_config", "run",
-           "preflight", "read_facts", "make_trials", "replay_short_len", "layout_of", "answer_correct",
-           "leading_digits", "parse_int_list", "parse_choice_list", "arm_policy", "summarize", "paired",
-           "tokenize_filler", "chat_preamble", "PUBLISHED"]
+__all__ = ["ARMS", "VARIANTS", "PUBLISHED", "RecallConfig", "RecallModel", "RecallResult", "Trials", "make_config",
+           "preflight", "run", "read_facts", "make_trials", "chat_preamble", "tokenize_filler", "replay_short_len",
+           "layout_of", "answer_correct", "leading_digits", "parse_int_list", "parse_choice_list", "arm_policy",
+           "feed_stream", "ask", "summarize", "paired", "load_resumable", "unfinished"]
+
 
 class RecallModel(NamedTuple):
     """One loaded model (per dtype): rsqr_jax never imports `models`, the caller loads it."""
@@ -239,29 +245,6 @@ def preflight(cfg: RecallConfig, out_dir, *, resume: bool = False) -> dict | Non
         raise ConfigError(f"{Path(out_dir)}/recall.json holds an unfinished run: continue it with --resume, or "
                           "choose another --out")
     return old
-
-
-def load_resumable(path: Path, fingerprint: dict) -> dict:
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--resume: cannot read {path}: {e}") from None
-    if "fingerprint" not in old or "arms_done" not in old:
-        raise ConfigError(f"--resume: {path} was written without resume data (an older run); start a fresh --out")
-    diff = [k for k in fingerprint if old["fingerprint"].get(k) != fingerprint[k]]
-    if diff:
-        k = diff[0]
-        raise ConfigError(f"--resume: {path} was run with {k}={old['fingerprint'].get(k)!r}, this run has "
-                          f"{fingerprint[k]!r}" + (f" (and {len(diff) - 1} more setting(s) differ)" if len(diff) > 1
-                                                   else ""))
-    return old
-
-
-def unfinished(path: Path) -> bool:
-    try:
-        return json.loads(Path(path).read_text()).get("complete") is False
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
 
 
 # ----------------------------------------------------------------------------------------------------

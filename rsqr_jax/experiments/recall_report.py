@@ -72,7 +72,33 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The result.
+# The result, and resuming from it.
+
+def load_resumable(path: Path, fingerprint: dict) -> dict:
+    """The recall.json an interrupted run left, if it was run with the same fingerprint."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--resume: cannot read {path}: {e}") from None
+    if "fingerprint" not in old or "arms_done" not in old:
+        raise ConfigError(f"--resume: {path} was written without resume data (an older run); start a fresh --out")
+    diff = [k for k in fingerprint if old["fingerprint"].get(k) != fingerprint[k]]
+    if diff:
+        k = diff[0]
+        raise ConfigError(f"--resume: {path} was run with {k}={old['fingerprint'].get(k)!r}, this run has "
+                          f"{fingerprint[k]!r}" + (f" (and {len(diff) - 1} more setting(s) differ)" if len(diff) > 1
+                                                   else ""))
+    return old
+
+
+def unfinished(path: Path) -> bool:
+    """Whether path holds an interrupted run (which a fresh run must not overwrite)."""
+    try:
+        return json.loads(Path(path).read_text()).get("complete") is False
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 
 class RecallResult:
     """recall.json's content (`data`): protocol, summary (Wilson CIs), paired tests, layouts, every record."""
@@ -207,6 +233,7 @@ def layout_table(layouts: list[dict]) -> str:
 
 
 def table(summary: list[dict]) -> str:
+    """Accuracy % [Wilson 95%] per arm and n_cycles, one table per (variant, dtype)."""
     lines = []
     for variant in VARIANTS:
         for dtype in ("float32", "bfloat16"):
