@@ -35,6 +35,12 @@ def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr")
     g.add_argument("--max-survivors", type=int, default=64, help="cap on non-sink survivors")
     g.add_argument("--block", type=int, default=1, help="eviction block size")
     g.add_argument("--overflow", default="fifo", help="fifo or decimate")
+    g = p.add_argument_group("recall tier (rsqr, streamingllm)")
+    g.add_argument("--recall-pages", type=int, default=0,
+                   help="cold pages each layer recalls per step (0 = off; DESIGN section 3b)")
+    g.add_argument("--cold-capacity", type=int, default=4096,
+                   help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +55,26 @@ def policy_from_args(args):
     from rsqr_jax.policy import make_policy
 
     return make_policy(args.policy, window=args.window, n_sink=args.sinks, delta=args.delta,
-                       max_survivors=args.max_survivors, block=args.block, overflow=args.overflow)
+                       max_survivors=args.max_survivors, block=args.block, overflow=args.overflow,
+                       recall_pages=getattr(args, "recall_pages", 0))
+
+
+def cold_store_args(args) -> dict:
+    """CacheSpec.for_policies keywords of the recall tier (no cold store unless recall is on); one-line
+    errors for impossible values."""
+    k = getattr(args, "recall_pages", 0)
+    if k < 0:
+        raise UsageError(f"--recall-pages must be >= 0, got {k}")
+    if not k:
+        return {}
+    if args.page_size < 1:
+        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
+    if args.cold_capacity < args.page_size or args.cold_capacity % args.page_size:
+        raise UsageError(f"--cold-capacity {args.cold_capacity} must be a positive multiple of --page-size "
+                         f"{args.page_size}")
+    if k > args.cold_capacity // args.page_size:
+        raise UsageError(f"--recall-pages {k} exceeds the cold store's {args.cold_capacity // args.page_size} pages")
+    return {"cold_capacity": args.cold_capacity, "page_size": args.page_size, "max_recall_pages": k}
 
 
 def check_model_args(args) -> None:
