@@ -190,7 +190,8 @@ def run(config: PplConfig, load: Callable[[str], Model], *, show_progress: bool 
                         runs.update(nll)
                         timings.append(tm)
                     if "replay" in c.pols(dtype):
-                        nll, tm = stream_policies(model, ids_T[:c.replay_T(W, Tc)], {"replay": c.make_policy("replay", W)},
+                        replay = {"replay": c.make_policy("replay", W)}
+                        nll, tm = stream_policies(model, ids_T[:c.replay_T(W, Tc)], replay,
                                                   label=f"replay W={W} {dtype}", **kw)
                         runs.update(nll)
                         timings.append(tm)

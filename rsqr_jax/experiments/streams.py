@@ -106,7 +106,8 @@ def stream_policies(model: Model, ids_T, policies: dict[str, Policy], *, chunk: 
     return out, tmg
 
 
-def hf_reference_nll(model_path: str, ids_T, *, chunk: int = 512, show_progress: bool = True) -> tuple[np.ndarray, dict]:
+def hf_reference_nll(model_path: str, ids_T, *, chunk: int = 512,
+                     show_progress: bool = True) -> tuple[np.ndarray, dict]:
     """Per-token NLL [T-1] of HF transformers' own float32 model (torch, eager, full attention) of the same
     GGUF weights (rsqr_jax.testing.hf), fed in chunks with past_key_values; and its timing."""
     import torch
