@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import hf_fixtures`, with or without tests/__init__
 
-import hf_fixtures  # noqa: E402
+from tests import hf_fixtures  # noqa: E402  (the repo root is on sys.path: pytest pythonpath ["."])
 
 
 @pytest.fixture(scope="session")
@@ -56,4 +54,6 @@ def smollm2_weights(smollm2_path, smollm2_config):
 def smollm2_hf_model(smollm2_path):
     """transformers' own float32 loading of the same GGUF (independent dequantization and q/k un-permutation)."""
     pytest.importorskip("torch")
-    return hf_fixtures.hf_gguf_model(smollm2_path)
+    from rsqr_jax.testing.hf import hf_gguf_model
+
+    return hf_gguf_model(smollm2_path)

@@ -1,12 +1,12 @@
 """Tiny random Hugging Face reference models (no hub) and transformers' own GGUF loading, for parity tests.
 
-Everything here is torch-side reference material: `models/` never imports it.
+Everything here is torch-side reference material: `models/` never imports it. transformers' own GGUF
+loading (used by the experiments too) is `rsqr_jax.testing.hf.hf_gguf_model`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from pathlib import Path
 
@@ -134,37 +134,6 @@ def hf_logits(model_or_dir, token_ids) -> np.ndarray:
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False).logits
     return out.to(torch.float32).numpy()
-
-
-def hf_gguf_model(gguf_path: str | os.PathLike):
-    """transformers' own loading of a GGUF file as a float32 torch model (its own dequantization and its own
-    q/k reverse permutation) — the independent reference for our GGUF loader.
-
-    `from_pretrained(..., gguf_file=...)` requires `accelerate`; without it we drive transformers' GGUF
-    reader (`load_gguf_checkpoint`, the function from_pretrained uses) directly.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = Path(gguf_path)
-    kw = dict(gguf_file=path.name, local_files_only=True)
-    if importlib.util.find_spec("accelerate") is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), dtype=torch.float32, attn_implementation="eager", **kw
-        )
-        return model.eval()
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(str(path.parent), **kw)
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"transformers GGUF state dict mismatch: missing={missing[:3]} unexpected={unexpected[:3]}")
-    model.tie_weights()
-    return model.to(torch.float32).eval()
 
 
 def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
