@@ -144,8 +144,10 @@ def tiny():
 
 
 def _tiny_config(**kw):
-    return drift.DriftConfig.quick_run(**{**dict(n_random=256, grid_keys=128, rotations=(1, 2, 10, 100, 1000),
-                                                 oracle_tokens=16, oracle_configs="both", seed=SEED), **kw})
+    small = dict(n_random=256, grid_keys=128, rotations=(1, 2, 10, 100, 1000), capture_tokens=64, att_windows=(16,),
+                 att_uniform_W=16, model_configs=((16, 1), (16, 4)), surv_config=drift.SurvivorConfig(16, 4, 4, 1),
+                 oracle_tokens=16, oracle_configs="both", seed=SEED)
+    return drift.DriftConfig.quick_run(**{**small, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +267,8 @@ def test_bad_configs():
 
 @pytest.mark.slow
 def test_script_quick_smollm2(smollm2_path, tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    # PYTHONPATH: this checkout's packages, not whichever one the editable install points at.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_drift.py"), "--quick", "--out", str(tmp_path),
                            "--json", "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
