@@ -90,12 +90,12 @@ def main(argv=None) -> int:
         models = {"float32": split_apply(loaded.model, kernel="xla")}
         if "bf16" in config.precisions and "model" in parts:
             models["bfloat16"] = split_apply(Llama(cfg, weights, dtype=jnp.bfloat16), kernel="xla")
-        info = {}
+        info = {}  # the capture check, filled by the capture
         if set(parts) != set(drift.PARTS):
             cmd += f" --parts {args.parts}"
         res = drift.run(config, model_cfg=cfg, tokens=tokens, capture_qk=capture_fn(loaded, info), models=models,
-                        weights=weights, progress=not args.no_progress, info=info, command=cmd,
-                        model_name=loaded.path)
+                        weights=weights, progress=not args.no_progress, command=cmd, model_name=loaded.path)
+        res.data.update(info)
         res.merge_previous(out_dir / "results.json")
         res.write(out_dir, plots=not args.no_plots)
         status(f"done in {res.data['timings_s']['total']:.0f}s -> {out_dir}")

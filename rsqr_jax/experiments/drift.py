@@ -107,7 +107,7 @@ class DriftConfig:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         return {k: ([list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v)
-                for k, v in d.items() if k not in ("parts", "oracle", "seed")}
+                for k, v in d.items() if k != "parts"}
 
 
 # ------------------------------------------------------------------------------------- run, result
@@ -159,15 +159,13 @@ class DriftResult:
 
 
 def run(config: DriftConfig, *, model_cfg, tokens, capture_qk: Callable, models: dict | None = None,
-        weights: dict | None = None, progress: bool = True, info: dict | None = None,
-        command: str = "", model_name: str = "") -> DriftResult:
+        weights: dict | None = None, progress: bool = True, command: str = "", model_name: str = "") -> DriftResult:
     """Run the configured parts.
 
     model_cfg: the model's config (head_dim, inv_freq, num_layers, num_kv_heads, rope_theta, ...).
     tokens: at least config.tokens_needed ids. capture_qk(tokens_T) -> raw (q [L,T,Hq,D], k [L,T,Hkv,D]).
     models: {"float32": (apply_fn, params), "bfloat16": ...} for the model level (bfloat16 only with the
-    "bf16" precision). weights: float32 numpy weights for the float64 oracle. info: extra top-level JSON
-    entries (read after the capture, so capture_qk may fill it). command/model_name: recorded.
+    "bf16" precision). weights: float32 numpy weights for the float64 oracle. command, model_name: recorded.
     """
     tokens = np.asarray(tokens, np.int32)
     if len(tokens) < config.tokens_needed:
@@ -185,8 +183,7 @@ def run(config: DriftConfig, *, model_cfg, tokens, capture_qk: Callable, models:
         keysets = {"random": rng.normal(size=(config.n_random, D)).astype(np.float32), "captured": captured}
         res = {"config": {**config.to_json(), "model": model_name, "head_dim": D, "rope_theta": model_cfg.rope_theta,
                           "num_layers": model_cfg.num_layers, "n_keys": {n: len(v) for n, v in keysets.items()},
-                          "seed": config.seed, "parts_run": [p for p in PARTS if p in config.parts]},
-               **(info or {})}
+                          "parts_run": [p for p in PARTS if p in config.parts]}}
         if "keys" in config.parts:
             with Timer() as t:
                 res["keys"] = exp_keys(keysets, inv, config)
