@@ -146,7 +146,8 @@ def tiny():
 def _tiny_config(**kw):
     small = dict(n_random=256, grid_keys=128, rotations=(1, 2, 10, 100, 1000), capture_tokens=64, att_windows=(16,),
                  att_uniform_W=16, model_configs=((16, 1), (16, 4)), surv_config=drift.SurvivorConfig(16, 4, 4, 1),
-                 oracle_tokens=16, oracle_configs="both", seed=SEED)
+                 oracle_tokens=16, oracle_configs="both", precisions=("f32", "f32+bf16cache", "bf16", drift.START_PRECISION),
+                 seed=SEED)
     return drift.DriftConfig.quick_run(**{**small, **kw})
 
 
@@ -178,8 +179,10 @@ def test_tiny_oracle_and_compilations(tiny_run):
     for key, o in oracle.items():
         if isinstance(o, dict):  # every float32 stream agrees with the float64 rank oracle
             assert o["max_abs"] < 1e-3 and o["kl_max"] < 1e-8, key
-    # One Decoder (one compilation of feed) per precision, whatever the stream length.
-    assert n_traces == len(res.data["config"]["precisions"])
+    # One compilation of feed per (model dtype, cache dtype), whatever the stream length: the late-start
+    # stream (a cache starting at 1e5) reuses the float32-model/bfloat16-cache one.
+    assert set(res.data["config"]["precisions"]) == {"f32", "f32+bf16cache", "bf16", drift.START_PRECISION}
+    assert n_traces == 3
 
 
 def test_tiny_files_replot_and_partial_rerun(tiny, tiny_run, tmp_path):
