@@ -1,6 +1,6 @@
-"""Experiment 1 (drift): `scripts/exp_drift.py --quick` runs end to end and its numbers make sense.
-
-One subprocess run (SmolLM2-135M, ~1-2 min on 2 cores) shared by every check below.
+"""Experiment 1 (drift): rsqr_jax.experiments.drift in-process on the tiny random model (every property the
+experiment is about), the capture of q/k against the decoder, the rotation counts against the engine's own
+step plan, and one slow smoke run of `scripts/exp_drift.py --quick` on SmolLM2-135M with the same checks.
 """
 
 from __future__ import annotations
@@ -11,36 +11,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rsqr_jax.experiments import drift
+from rsqr_jax.experiments.common import ConfigError
+
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+SEED = 0  # tiny weights, random key set and token ids
 
 
-@pytest.fixture(scope="module")
-def drift(tmp_path_factory, smollm2_path):
-    out = tmp_path_factory.mktemp("exp_drift")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_drift.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads((out / "results.json").read_text())
+# ----------------------------------------------------------------------------------------------------
+# The checks, shared by the tiny in-process run and the SmolLM2 smoke run.
 
 
 def _sweep(res, keys, dtype, s):
     return {r["h"]: r for r in res["keys"]["sweep"][f"{keys}/{dtype}/s={s}"]}
 
 
-def test_outputs_and_shape(drift):
-    out, res = drift
-    assert set(res) >= {"config", "keys", "attention", "model", "timings_s", "plots"}
-    assert res["config"]["quick"] is True
-    for name in ("drift_keys.png", "drift_grid.png", "drift_pairs.png", "drift_attention.png", "drift_model.png"):
-        p = out / name
-        assert p.is_file() and 0 < p.stat().st_size < 200_000, name
-    md = (out / "drift_section.md").read_text()
-    assert "### Keys" in md and "### Model" in md
+def check_shape(res):
     hs = res["config"]["rotations"]
     assert hs[0] == 1 and 100 in hs and 1000 in hs
     for key, rows in res["keys"]["sweep"].items():
@@ -51,13 +41,9 @@ def test_outputs_and_shape(drift):
                     assert set(r[path][metric]) == {"median", "p90", "mean", "max"}
                     assert np.isfinite(r[path][metric]["max"])
     assert len(res["keys"]["sweep"]) == 2 * 2 * len(res["config"]["shifts"])  # key sets x dtypes x shifts
-    # The capture forward written in the script agrees with the library's model forward.
-    assert res["capture_check_max_abs_logits"] < 1e-3
 
 
-@pytest.mark.parametrize("keys", ["random", "captured"])
-def test_key_drift(drift, keys):
-    _, res = drift
+def check_key_drift(res, keys):
     for s in res["config"]["shifts"]:
         bf = _sweep(res, keys, "bfloat16", s)
         f32 = _sweep(res, keys, "float32", s)
@@ -75,8 +61,7 @@ def test_key_drift(drift, keys):
         assert all(f32[h]["rerotate"]["max_abs"]["median"] < 1e-4 for h in f32 if h <= 100)
 
 
-def test_position_does_not_matter_with_exact_angles(drift):
-    _, res = drift
+def check_position(res):
     grid = res["keys"]["grid"]
     for key, cells in grid.items():
         if not key.endswith("/exact"):
@@ -94,8 +79,7 @@ def test_position_does_not_matter_with_exact_angles(drift):
     assert naive[P_max]["rsqr_rel_l2"] > 100 * exact[P_max]["rsqr_rel_l2"]
 
 
-def test_attention_kl(drift):
-    _, res = drift
+def check_attention(res):
     att = res["attention"]
     for key, rows in att["uniform"].items():
         by = {r["h"]: r for r in rows}
@@ -110,11 +94,11 @@ def test_attention_kl(drift):
         assert np.isfinite(s["rerotate"]["kl"]["mean"]) and np.isfinite(s["rsqr"]["kl"]["mean"])
 
 
-def test_model_level(drift):
-    _, res = drift
+def check_model(res):
     mod = res["model"]
     T = mod["tokens"]
     assert len(mod["configs"]) == len(res["config"]["model_configs"]) + 1  # + the survivor configuration
+    assert {k.split("/")[0] for k in mod["summary"]} == set(res["config"]["precisions"])
     for key, s in mod["summary"].items():
         prec, cname, mode = key.split("/")
         cfg = mod["configs"][cname]
@@ -131,3 +115,172 @@ def test_model_level(drift):
             assert 1e-8 < s["kl_mean"] < 1e-1, key
             assert s["top1_agree"] > 0.8, key
         assert h["window"] + h["block"] - 1 == cfg["first_eviction_step"]
+
+
+def check_all(res):
+    check_shape(res)
+    for keys in ("random", "captured"):
+        check_key_drift(res, keys)
+    check_position(res)
+    check_attention(res)
+    check_model(res)
+
+
+# ----------------------------------------------------------------------------------------------------
+# In-process on the tiny model.
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from models.capture import capture_qk
+    from models.llama import Llama, split_apply
+    from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+
+    cfg = tiny_config()
+    w = tiny_weights(cfg, SEED)
+    model = Llama(cfg, w)
+    models = {"float32": split_apply(model), "bfloat16": split_apply(Llama(cfg, w, dtype=jnp.bfloat16))}
+    return cfg, w, model, models, (lambda t: capture_qk(model, t)[:2])
+
+
+def _tiny_config(**kw):
+    small = dict(n_random=256, grid_keys=128, rotations=(1, 2, 10, 100, 1000), capture_tokens=64, att_windows=(16,),
+                 att_uniform_W=16, model_configs=((16, 1), (16, 4)), surv_config=drift.SurvivorConfig(16, 4, 4, 1),
+                 oracle_tokens=16, oracle_configs="both", precisions=("f32", "f32+bf16cache", "bf16", drift.START_PRECISION),
+                 seed=SEED)
+    return drift.DriftConfig.quick_run(**{**small, **kw})
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny, tmp_path_factory):
+    from rsqr_jax import engine
+
+    cfg, w, _, models, capture = tiny
+    config = _tiny_config()
+    tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, config.tokens_needed)
+    traces = engine.TRACES["feed"]
+    res = drift.run(config, model_cfg=cfg, tokens=tokens, capture_qk=capture, models=models, weights=w,
+                    progress=False, command="test")
+    out = tmp_path_factory.mktemp("drift_tiny")
+    res.write(out)
+    return res, out, engine.TRACES["feed"] - traces
+
+
+def test_tiny_properties(tiny_run):
+    res, _, _ = tiny_run
+    check_all(res.data)
+    assert res.data["config"]["seed"] == SEED and res.data["config"]["quick"] is True
+
+
+def test_tiny_oracle_and_compilations(tiny_run):
+    res, _, n_traces = tiny_run
+    oracle = res.data["model"]["oracle"]
+    assert oracle["tokens"] == 16
+    for key, o in oracle.items():
+        if isinstance(o, dict):  # every float32 stream agrees with the float64 rank oracle
+            assert o["max_abs"] < 1e-3 and o["kl_max"] < 1e-8, key
+    # One compilation of feed per (model dtype, cache dtype), whatever the stream length: the late-start
+    # stream (a cache starting at 1e5) reuses the float32-model/bfloat16-cache one.
+    assert set(res.data["config"]["precisions"]) == {"f32", "f32+bf16cache", "bf16", drift.START_PRECISION}
+    assert n_traces == 3
+
+
+def test_tiny_files_replot_and_partial_rerun(tiny, tiny_run, tmp_path):
+    res, out, _ = tiny_run
+    for name in ("drift_keys.png", "drift_grid.png", "drift_pairs.png", "drift_attention.png", "drift_model.png"):
+        assert (out / name).is_file() and 0 < (out / name).stat().st_size < 200_000, name
+    md = (out / "drift_section.md").read_text()
+    assert md.startswith("<!-- generated by: test -->") and "### Keys" in md and "### Model" in md
+    saved = drift.DriftResult.load(out / "results.json")
+    assert saved.markdown() == md
+    saved.write(tmp_path, plots=False)
+    assert json.loads((tmp_path / "results.json").read_text())["model"] == json.loads(json.dumps(res.data["model"]))
+    # A partial run redoes one part and keeps the others of the earlier results.json.
+    cfg, w, _, _, capture = tiny
+    part = drift.run(_tiny_config(parts=("keys",)), model_cfg=cfg, tokens=np.zeros(200, np.int32), capture_qk=capture,
+                     progress=False)
+    assert "model" not in part.data
+    part.merge_previous(tmp_path / "results.json")
+    assert part.data["model"] == saved.data["model"] and part.data["timings_s"]["rerun"]["parts"] == ["keys"]
+
+
+def test_capture_is_the_decoder_forward(tiny):
+    """models.capture runs the decoder's own layer recipe: its logits are the model's full-attention logits."""
+    from models.capture import capture_qk
+    from models.llama import LoadedModel, forward_logits, rms_norm
+
+    cfg, _, model, _, _ = tiny
+    tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, 40)
+    q, k, logits = capture_qk(model, tokens)
+    L, Hq, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    assert q.shape == (L, 40, Hq, D) and k.shape == (L, 40, Hkv, D)
+    ref = forward_logits(LoadedModel(cfg, model, "tiny", "float32"), tokens[None])[0]
+    assert np.abs(ref - logits).max() < 1e-5
+    # layer 0's raw k is embed -> rms_norm -> wk, with no attention before it.
+    h = rms_norm(jnp.asarray(model.embed[...])[tokens], model.attn_norm[...][0], cfg.rms_norm_eps)
+    np.testing.assert_allclose(k[0].reshape(40, -1), np.asarray(h @ model.wk[...][0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,kw", [("rerotate", dict(window=8, block=1)), ("rerotate", dict(window=8, block=3)),
+                                     ("rerotate", dict(window=8, delta=3, max_survivors=2, block=2)),
+                                     ("rsqr", dict(window=8, delta=3, max_survivors=2, block=2))])
+def test_rotation_counts_match_the_step_plan(mode, kw):
+    """The token-set rotation counts equal what the engine's own plan does to the stored keys."""
+    import jax
+
+    from rsqr_jax import policy as P
+    from rsqr_jax.cache import init_cache
+    from rsqr_jax.experiments.drift_model import rotation_counts
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.update import commit, plan_step
+
+    pol = P.make_policy(mode, n_sink=2, **{"delta": 0, **kw})
+    spec = CacheSpec.for_policies(pol, num_layers=1, num_kv_heads=1, head_dim=2)
+    cache = init_cache(spec)
+    rot_w, rot_s = np.zeros(spec.win_capacity, int), np.zeros(spec.surv_capacity, int)
+    plan_fn = jax.jit(lambda c: plan_step(c, pol, 1))
+    T = 40
+    r_max, r_mean = rotation_counts(T, pol.host())
+    for t in range(T):
+        plan = plan_fn(cache)
+        inc = int(plan.upkeep.rerotate)
+        ws, ss = np.asarray(plan.writes.win_slot_C), np.asarray(plan.writes.surv_slot_C)
+        rot_w[ws[ws < len(rot_w)]] = 1
+        rot_s[ss[ss < len(rot_s)]] = 1
+        rot_w += inc * np.asarray(plan.upkeep.win_hop_W)
+        rot_s += inc * np.asarray(plan.upkeep.surv_hop_S)
+        c = np.concatenate([rot_w[np.asarray(plan.kernel.win_pos_W) >= 0], rot_s[np.asarray(plan.kernel.surv_valid_S)]])
+        assert r_max[t] == c.max() and r_mean[t] == np.float32(c.sum()) / np.float32(len(c)), t
+        cache = commit(cache, plan)
+    assert (r_max.max() > 1) == (mode == "rerotate")
+
+
+def test_bad_configs():
+    with pytest.raises(ConfigError, match="parts"):
+        drift.DriftConfig.quick_run(parts=("keys", "nope"))
+    with pytest.raises(ConfigError, match="multiple of segment"):
+        drift.DriftConfig.quick_run(model_tokens=50)
+    with pytest.raises(ConfigError, match="too small"):
+        drift.DriftConfig.quick_run(capture_tokens=40)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One slow smoke run of the script on SmolLM2-135M (~1-2 min on 2 cores).
+
+
+@pytest.mark.slow
+def test_script_quick_smollm2(smollm2_path, tmp_path):
+    # PYTHONPATH: this checkout's packages, not whichever one the editable install points at.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_drift.py"), "--quick", "--out", str(tmp_path),
+                           "--json", "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert json.loads(proc.stdout)["model"]["summary"] == res["model"]["summary"]
+    assert set(res) >= {"config", "keys", "attention", "model", "timings_s", "plots"}
+    assert res["config"]["quick"] is True
+    for name in ("drift_keys.png", "drift_grid.png", "drift_pairs.png", "drift_attention.png", "drift_model.png"):
+        assert (tmp_path / name).is_file() and 0 < (tmp_path / name).stat().st_size < 200_000, name
+    # The capture (models.capture) agrees with the library's model forward.
+    assert res["capture_check_max_abs_logits"] < 1e-3
+    check_all(res)
