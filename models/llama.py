@@ -48,8 +48,12 @@ class Llama(nnx.Module):
         for name in LAYER_KEYS + (BIAS_KEYS if config.attention_bias else ()):
             setattr(self, name, cast(name))
 
-    def __call__(self, tokens_BxC: jax.Array, cache: KVCache, plan: StepPlan, *, kernel: str = "xla"):
-        """Logits [B, C, V] (float32) of a chunk, and the cache with this chunk's K/V written."""
+    def __call__(self, tokens_BxC: jax.Array, cache: KVCache, plan: StepPlan, *, kernel: str = "xla",
+                 capture_qk: bool = False):
+        """Logits [B, C, V] (float32) of a chunk, and the cache with this chunk's K/V written.
+
+        capture_qk: also return every layer's raw (un-rotated) q [L, B, C, Hq, D] and k [L, B, C, Hkv, D],
+        as the layer computed them (for experiments on RoPE numerics; no second forward anywhere)."""
         cfg = self.config
         B, C = tokens_BxC.shape
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -65,18 +69,18 @@ class Llama(nnx.Module):
             q, k, v = _dense(h, p["wq"]), _dense(h, p["wk"]), _dense(h, p["wv"])
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            attn, cache = attend_layer(idx, q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D),
-                                          v.reshape(B, C, Hkv, D), cache, plan, inv_freq, kernel=kernel)
+            q, k = q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D)
+            attn, cache = attend_layer(idx, q, k, v.reshape(B, C, Hkv, D), cache, plan, inv_freq, kernel=kernel)
             x = x + _dense(attn.reshape(B, C, Hq * D).astype(x.dtype), p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             x = x + _dense(jax.nn.silu(_dense(h, p["w_gate"])) * _dense(h, p["w_up"]), p["w_down"])
-            return (x, cache), None
+            return (x, cache), ((q, k) if capture_qk else None)
 
-        (x_BxCxH, cache), _ = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.arange(cfg.num_layers)))
+        (x_BxCxH, cache), qk = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.arange(cfg.num_layers)))
         h = rms_norm(x_BxCxH, self.final_norm[...], cfg.rms_norm_eps)
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return logits, cache
+        return (logits, cache, qk) if capture_qk else (logits, cache)
 
 
 def split_apply(model: Llama, *, kernel: str = "xla") -> tuple[Callable, nnx.State]:
