@@ -188,7 +188,8 @@ def test_sweep_cli_bad_input(args, fragment):
 @pytest.mark.slow
 def test_sweep_cli_real_model_writes_every_output(tmp_path, smollm2_path):
     proc = _cli("--grid", "mode=rsqr,streamingllm window=16 delta=4 max_survivors=8", "--tokens", "40",
-                "--segment", "16", "--bucket", "16", "--devices", "1", "--out", str(tmp_path), "--no-progress", "--json")
+                "--segment", "16", "--bucket", "16", "--devices", "1", "--out", str(tmp_path), "--no-progress",
+                "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
