@@ -1,8 +1,10 @@
 """Vectorized policy sweeps (rsqr_jax.sweep) on a tiny random model: vmapped == alone, one compilation,
-sharded == unsharded (4 simulated CPU devices in a subprocess), grid parsing."""
+sharded == unsharded (4 simulated CPU devices in a subprocess, also through rsqr_jax.experiments.sweep),
+grid parsing; the sweep and bench_sweep experiments in-process; the command lines' bad-input contract."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -95,6 +97,11 @@ _CHILD = textwrap.dedent("""
         assert len(sh.device_set) == 4 and sh.is_equivalent_to(want, cache.win_k.ndim), sh
         assert cache.win_k.shape[0] == -(-len(names) // p_dev) * p_dev and len(cache.win_k.addressable_shards) == 4
         out[f"nll_{{p_dev}}x{{b_dev}}"] = nll
+    # The experiment module over the same 4 devices (its own mesh: 4 x 1, the policy axis padded 5 -> 8).
+    from rsqr_jax.experiments import sweep as SX
+    res = SX.run(SX.SweepConfig(**{experiment!r}, devices=4), apply_fn, params, cfg)
+    assert res.meta["devices"] == 4
+    out["experiment"] = res.nll_PxT
     np.savez({out!r}, **out)
 """)
 
@@ -103,7 +110,10 @@ def test_sharded_sweep_over_4_devices_equals_unsharded(tmp_path):
     _, _, nll, _ = _grid_run()
     np.save(tmp_path / "tokens.npy", TOKENS)
     out = tmp_path / "sharded.npz"
-    code = _CHILD.format(tokens=str(tmp_path / "tokens.npy"), grid=GRID, segment=SEGMENT, out=str(out))
+    config, result = _experiment_run()
+    experiment = {k: v for k, v in dataclasses.asdict(config).items() if k != "devices"}
+    code = _CHILD.format(tokens=str(tmp_path / "tokens.npy"), grid=GRID, segment=SEGMENT, out=str(out),
+                         experiment=experiment)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
@@ -112,6 +122,7 @@ def test_sharded_sweep_over_4_devices_equals_unsharded(tmp_path):
     # Not bitwise: each device multiplies a different number of policy rows, so CPU matmul blocking differs.
     np.testing.assert_allclose(got["nll_4x1"], nll, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got["nll_2x2"], nll, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got["experiment"], result.nll_PxT, rtol=1e-5, atol=1e-4)
 
 
 def test_policy_grid_product_dedup_and_names():
