@@ -1,8 +1,10 @@
 """Vectorized policy sweeps (rsqr_jax.sweep) on a tiny random model: vmapped == alone, one compilation,
-sharded == unsharded (4 simulated CPU devices in a subprocess), grid parsing."""
+sharded == unsharded (4 simulated CPU devices in a subprocess, also through rsqr_jax.experiments.sweep),
+grid parsing; the sweep and bench_sweep experiments in-process; the command lines' bad-input contract."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -76,9 +78,8 @@ def test_each_policy_of_a_vmapped_sweep_equals_the_policy_run_alone(mode):
 
 
 _CHILD = textwrap.dedent("""
-    import sys
     import jax, jax.numpy as jnp, numpy as np
-    sys.path.insert(0, {root!r})
+    from jax.sharding import NamedSharding, PartitionSpec as PS
     from models.llama import Llama, split_apply
     from rsqr_jax.sweep import make_mesh, policy_grid, sweep_nll
     from rsqr_jax.testing.tiny import tiny_config, tiny_weights
@@ -91,10 +92,16 @@ _CHILD = textwrap.dedent("""
     for p_dev, b_dev in ((4, 1), (2, 2)):
         nll, cache = sweep_nll(apply_fn, params, tokens, pols, config=cfg, segment={segment},
                                mesh=make_mesh(4, batch_devices=b_dev), return_cache=True)
-        sh = cache.win_k.sharding
-        assert len(sh.device_set) == 4 and tuple(sh.spec)[:3] == ("policy", None, "batch"), sh
+        sh = cache.win_k.sharding  # equivalent, not equal: a size-1 mesh axis may be dropped from the spec
+        want = NamedSharding(sh.mesh, PS("policy", None, "batch"))
+        assert len(sh.device_set) == 4 and sh.is_equivalent_to(want, cache.win_k.ndim), sh
         assert cache.win_k.shape[0] == -(-len(names) // p_dev) * p_dev and len(cache.win_k.addressable_shards) == 4
         out[f"nll_{{p_dev}}x{{b_dev}}"] = nll
+    # The experiment module over the same 4 devices (its own mesh: 4 x 1, the policy axis padded 5 -> 8).
+    from rsqr_jax.experiments import sweep as SX
+    res = SX.run(SX.SweepConfig(**{experiment!r}, devices=4), apply_fn, params, cfg)
+    assert res.meta["devices"] == 4
+    out["experiment"] = res.nll_PxT
     np.savez({out!r}, **out)
 """)
 
@@ -103,7 +110,10 @@ def test_sharded_sweep_over_4_devices_equals_unsharded(tmp_path):
     _, _, nll, _ = _grid_run()
     np.save(tmp_path / "tokens.npy", TOKENS)
     out = tmp_path / "sharded.npz"
-    code = _CHILD.format(root=ROOT, tokens=str(tmp_path / "tokens.npy"), grid=GRID, segment=SEGMENT, out=str(out))
+    config, result = _experiment_run()
+    experiment = {k: v for k, v in dataclasses.asdict(config).items() if k != "devices"}
+    code = _CHILD.format(tokens=str(tmp_path / "tokens.npy"), grid=GRID, segment=SEGMENT, out=str(out),
+                         experiment=experiment)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
@@ -112,6 +122,7 @@ def test_sharded_sweep_over_4_devices_equals_unsharded(tmp_path):
     # Not bitwise: each device multiplies a different number of policy rows, so CPU matmul blocking differs.
     np.testing.assert_allclose(got["nll_4x1"], nll, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got["nll_2x2"], nll, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got["experiment"], result.nll_PxT, rtol=1e-5, atol=1e-4)
 
 
 def test_policy_grid_product_dedup_and_names():
@@ -158,9 +169,13 @@ def test_summarize_curve():
 # scripts/sweep.py: bad input -> one line on stderr, exit code 2; the real model end to end (slow).
 
 
+# The scripts import this checkout's packages (not whichever checkout the editable install points at).
+SCRIPT_ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
 def _cli(*args, timeout=600):
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sweep.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+                          text=True, timeout=timeout, cwd=ROOT, env=SCRIPT_ENV)
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -170,6 +185,9 @@ def _cli(*args, timeout=600):
     (["--tokens", "0"], "--tokens must be >= 2"),
     (["--tokens", "-5"], "--tokens must be >= 2"),
     (["--task", "recall"], "--task must be one of"),
+    (["--devices", "0"], "--devices must be >= 1"),
+    (["--quick", "--model", "/nonexistent/model.gguf"], "model not found"),
+    (["--quick", "--model", os.path.join(ROOT, "README.md")], "not both --quick and --model"),
 ])
 def test_sweep_cli_bad_input(args, fragment):
     proc = _cli(*args)
@@ -181,14 +199,132 @@ def test_sweep_cli_bad_input(args, fragment):
 @pytest.mark.slow
 def test_sweep_cli_real_model_writes_every_output(tmp_path, smollm2_path):
     proc = _cli("--grid", "mode=rsqr,streamingllm window=16 delta=4 max_survivors=8", "--tokens", "40",
-                "--segment", "16", "--bucket", "16", "--devices", "1", "--out", str(tmp_path), "--no-progress")
+                "--segment", "16", "--bucket", "16", "--devices", "1", "--out", str(tmp_path), "--no-progress",
+                "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
     meta_rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert json.loads(proc.stdout) == meta_rows  # --json: one object on stdout, the same as sweep.json
     assert [r["mode"] for r in meta_rows["rows"]] and meta_rows["meta"]["n_policies"] == 2
     assert all(np.isfinite(r["ppl"]) and len(r["ppl_curve"]) == 3 for r in meta_rows["rows"])
     assert (tmp_path / "sweep.csv").read_text().count("\n") == 3
     assert (tmp_path / "sweep.md").read_text().count("| `") == 2
     assert (tmp_path / "sweep_ppl.png").read_bytes()[:4] == b"\x89PNG"
     assert np.load(tmp_path / "nll.npy").shape == (2, 39)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rsqr_jax.experiments.sweep / bench_sweep in-process on the tiny model (tokens: TOKENS, seed 3; weights seed 0).
+
+from rsqr_jax.experiments import bench_sweep as BX  # noqa: E402
+from rsqr_jax.experiments import sweep as SX  # noqa: E402
+from rsqr_jax.experiments.common import ConfigError  # noqa: E402
+
+SMALL_GRID = "mode=rsqr,streamingllm,full window=6,8 sinks=2 delta=3 max_survivors=3"  # 2 + 2 + 1 policies
+
+
+@functools.lru_cache(maxsize=None)
+def _experiment_run():
+    """The sweep experiment on random tokens (seed 5) of the tiny model, grid order kept."""
+    apply_fn, params = _model()
+    config = SX.SweepConfig(grid=SMALL_GRID, text=None, seed=5, tokens=T, segment=SEGMENT, bucket=16, sort="grid",
+                            progress=False)
+    return config, SX.run(config, apply_fn, params, CFG, model_name="tiny")
+
+
+def test_sweep_experiment_rows_match_sweep_nll_and_write_every_output(tmp_path):
+    config, result = _experiment_run()
+    apply_fn, params = _model()
+    pols, names = policy_grid(SMALL_GRID)
+    tokens = SX.load_tokens(None, T, vocab_size=CFG.vocab_size, seed=5)
+    assert tokens.shape == (1, T) and (tokens == np.random.default_rng(5).integers(0, CFG.vocab_size, T)).all()
+    nll = sweep_nll(apply_fn, params, tokens, pols, config=CFG, segment=SEGMENT)[:, 0]
+    np.testing.assert_array_equal(result.nll_PxT, nll)
+    assert [r["name"] for r in result.rows] == names and len(names) == 5
+    for r, x in zip(result.rows, nll.astype(np.float64)):
+        np.testing.assert_allclose(r["ppl"], np.exp(x.mean()), rtol=1e-12)
+        assert r["bucket_end"] == [16, 32, 39] and len(r["ppl_curve"]) == 3
+    by_name = {r["name"]: r for r in result.rows}
+    assert by_name["full"]["mode"] == "full" and by_name["full"]["cache_kib"] > by_name["rsqr(W=6, N=2, delta=3, "
+                                                                                        "S=3, fifo)"]["cache_kib"]
+    assert by_name["streamingllm(W=8, N=2)"]["window"] == 8 and by_name["streamingllm(W=8, N=2)"]["n_sink"] == 2
+    m = result.meta
+    assert m["n_policies"] == 5 and m["n_scored"] == T - 1 and m["devices"] == 1 and m["text"] is None
+    assert result.best["ppl"] == min(r["ppl"] for r in result.rows)
+
+    paths = result.write(tmp_path)
+    import json
+
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc == json.loads(json.dumps(result.to_json())) and [r["name"] for r in doc["rows"]] == names
+    assert (tmp_path / "sweep.csv").read_text().count("\n") == 6
+    assert (tmp_path / "sweep.md").read_text().count("| `") == 5 and "ppl@32" in result.markdown()
+    assert (tmp_path / "sweep_ppl.png").read_bytes()[:4] == b"\x89PNG"
+    np.testing.assert_array_equal(np.load(paths["npy"]), nll)
+    ranked = SX.sorted_rows(result.rows, "ppl")
+    assert [r["ppl"] for r in ranked] == sorted(r["ppl"] for r in result.rows)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(tokens=1), "--tokens must be >= 2"),
+    (dict(task="recall"), "--task must be one of"),
+    (dict(sort="best"), "--sort must be one of"),
+    (dict(chunk=3, segment=16), "divide --segment"),
+    (dict(bucket=0), "--bucket must be >= 1"),
+    (dict(devices=0), "--devices must be >= 1"),
+    (dict(dtype="float16"), "--dtype must be"),
+    (dict(text="/nonexistent/text.txt"), "text file not found"),
+    (dict(devices=64), "only 1 cpu device"),
+])
+def test_sweep_experiment_bad_config(kw, match):
+    apply_fn, params = _model()
+    with pytest.raises(ConfigError, match=match):
+        SX.run(SX.SweepConfig.quick(**{"text": None, "progress": False, **kw}), apply_fn, params, CFG)
+
+
+def test_bench_sweep_arms_in_process_agree():
+    """Both arms of the bench in this process (no subprocess): same names, same perplexities (float32)."""
+    apply_fn, params = _model()
+    config = BX.BenchSweepConfig.make(quick=True, grid=SMALL_GRID, tokens=T, segment=SEGMENT)
+    config.validate()
+    tokens = SX.load_tokens(None, T, vocab_size=CFG.vocab_size, seed=0)
+    arms = {arm: BX.run_arm(config, arm, apply_fn, params, CFG, tokens, "tiny") for arm in BX.ARMS}
+    result = BX.summarize(config, arms)
+    seq, vm = arms["sequential"], arms["vmapped"]
+    assert seq["names"] == vm["names"] == policy_grid(SMALL_GRID)[1]
+    assert seq["n_scored"] == vm["n_scored"] == T - 1 and seq["cache_bytes_union"] == vm["cache_bytes_union"]
+    np.testing.assert_allclose(vm["ppl"], seq["ppl"], rtol=1e-5)
+    assert result.summary["max_rel_ppl_diff"] < 1e-5 and result.summary["quick"]
+    assert "| sequential |" in result.markdown() and "| vmapped |" in result.markdown()
+    with pytest.raises(ConfigError, match="arm must be one of"):
+        BX.run_arm(config, "parallel", apply_fn, params, CFG, tokens, "tiny")
+    argv = BX.arm_argv(config, "vmapped")
+    assert argv[:2] == ["--arm", "vmapped"] and "--quick" in argv and "--text" not in argv
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dtype="float16"), "--dtype must be"),
+    (dict(tokens=1), "--tokens must be >= 2"),
+    (dict(chunk=3), "--chunk must divide --segment"),
+    (dict(quick=False, text="/nonexistent/text.txt"), "text file not found"),
+])
+def test_bench_sweep_bad_config(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        BX.BenchSweepConfig.make(**{"quick": True, **kw}).validate()
+    with pytest.raises(P.PolicyError, match="unknown grid key"):
+        BX.BenchSweepConfig.make(quick=True, grid="mode=rsqr windw=8").validate()
+
+
+def test_bench_sweep_cli_quick_writes_json_in_out_dir(tmp_path):
+    """The one subprocess smoke test of scripts/bench_sweep.py: two child processes, tiny model."""
+    import json
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_sweep.py"), "--quick", "--tokens",
+                           "40", "--segment", "16", "--out", str(tmp_path), "--json", "--no-progress"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=SCRIPT_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc == json.loads((tmp_path / BX.JSON_NAME).read_text())
+    assert set(doc["arms"]) == set(BX.ARMS) and doc["summary"]["max_rel_ppl_diff"] < 1e-5
+    assert doc["arms"]["vmapped"]["n_policies"] == 8 and doc["arms"]["vmapped"]["n_scored"] == 39
