@@ -4,12 +4,15 @@
   to the plain bfloat16 path;
 * a Session compiles its step with the policy as constants: same tokens as the data-policy step;
 * greedy sampling skips the sort (lax.cond): same token as argmax, and temperature > 0 still samples;
-* scripts/exp_latency.py's positions-only rotation counts match what each policy is defined to do.
+* rsqr_jax.experiments.latency's positions-only rotation counts match what each policy is defined to do,
+  and its run (and bench_decode's, greedy tokens equal to HF's) works end to end on the tiny model.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +28,11 @@ from rsqr_jax.engine import stream_nll
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.sampling import sample
+from rsqr_jax.experiments import bench_decode as B
+from rsqr_jax.experiments import latency as L
 from rsqr_jax.session import Session
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+from rsqr_jax.testing.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config()
@@ -114,15 +120,8 @@ def test_greedy_sampling_is_argmax_and_temperature_still_samples():
     assert len(draws) > 1  # temperature 5 over 500 tokens: not the argmax every time
 
 
-def _exp_latency():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import exp_latency
-
-    return exp_latency
-
-
 def test_exp_latency_rotation_counts():
-    E = _exp_latency()
+    jump = L.bookkeeping()
     W, N, d, cap = 8, 2, 3, 3
     pols = {"rsqr": P.rsqr(W, N, d, cap), "streamingllm": P.streamingllm(W, N),
             "rerotate": P.rerotate(W, N, d, cap, block=4), "rsqr_precompute": P.rsqr_precompute(W, N, d, cap),
@@ -131,10 +130,10 @@ def test_exp_latency_rotation_counts():
     n = 24
     counts = {}
     for mode, pol in pols.items():
-        cache = E.advance_fn()(init_cache(spec), pol, 57)
+        cache = jump.advance(init_cache(spec), pol, 57)
         assert int(cache.t) == 57
-        tr = {k: np.asarray(v) for k, v in E.trace_fn(n)(cache, pol).items()}
-        counts[mode] = (tr, E.rotation_counts(mode, tr))
+        tr = {k: np.asarray(v) for k, v in jump.trace(cache, pol, n).items()}
+        counts[mode] = (tr, L.rotation_counts(mode, tr))
     tr, rot = counts["streamingllm"]  # every cached key (sinks + full window) rotated at its rank, every step
     assert (rot["attention"] == N + W).all() and (rot["write"] == 0).all() and (rot["upkeep"] == 0).all()
     tr, rot = counts["rsqr"]  # sinks + capped survivors rotated inside attention, plus the new key
@@ -161,10 +160,9 @@ def test_exp_latency_rotation_counts():
     ("exp_latency.py", ["--positions", "5000", "1000"], "increasing"),
 ])
 def test_bad_input_is_one_line(script, args, fragment):
-    import subprocess
-
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's packages, not the editable install's
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+                          timeout=120, cwd=REPO, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
@@ -172,7 +170,7 @@ def test_bad_input_is_one_line(script, args, fragment):
 
 def test_event_bump_label_says_why_there_is_none():
     """rerotate block 1 rotates at every step (no quiet step to compare with); rsqr never has an upkeep event."""
-    el = _exp_latency()
+    el = L
     assert el.bump_label({"event_bump": 1.3125, "event_steps": 3, "steps": 24}).strip() == "1.31x"
     assert "every step" in el.bump_label({"event_steps": 24, "steps": 24})
     assert "no upkeep events" in el.bump_label({"event_steps": 0, "steps": 24})
