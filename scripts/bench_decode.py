@@ -67,11 +67,8 @@ def main() -> int:
     status(f"model {loaded.path} loaded; policy {args.policy}, {args.dtype}")
     hf = None
     if not args.no_hf:
-        import warnings
-
         import transformers
 
-        warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values naming in transformers 5
         transformers.logging.set_verbosity_error()
         hf = B.hf_model_from_ours(loaded)
     meta = {k: getattr(args, k) for k in ("no_hf", "quick", "out", "model", "kernel")}

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -174,3 +176,57 @@ def test_event_bump_label_says_why_there_is_none():
     assert el.bump_label({"event_bump": 1.3125, "event_steps": 3, "steps": 24}).strip() == "1.31x"
     assert "every step" in el.bump_label({"event_steps": 24, "steps": 24})
     assert "no upkeep events" in el.bump_label({"event_steps": 0, "steps": 24})
+
+
+TEXT = "It was on a dreary night of November that I beheld the accomplishment of my toils. " * 40
+
+
+def test_latency_run_on_the_tiny_model(tmp_path):
+    """Probe positions, rotation counts and the JSON layout of a whole (small) latency run."""
+    apply_fn, params = _model()
+    (tmp_path / "t.txt").write_text(TEXT)
+    N, cap = 2, 4
+    config = L.LatencyConfig(text=str(tmp_path / "t.txt"), positions=(40, 90), steps=8, replay_steps=8, full_max=40,
+                             policies=("full", "rsqr", "replay_b8"), window=16, sinks=N, delta=3, max_survivors=cap,
+                             no_sweep=True, progress=False)
+    res = L.run(config, apply_fn, params, CFG, ByteTokenizer(CFG.vocab_size))
+    pols = res.data["policies"]
+    assert list(pols) == ["full", "rsqr", "replay_b8"]
+    (full,) = pols["full"]["probes"]  # full_max = 40: the 90 probe is skipped
+    assert full["position"] == 40 and full["n_cached_mean"] == 44.5  # 41..48 cached over the 8 steps
+    assert full["rotations_per_token"]["total"] == 1 and full["win_capacity"] == 64
+    rsqr = pols["rsqr"]["probes"]
+    assert [r["position"] for r in rsqr] == [40, 90] and "flat_ratio" in pols["rsqr"]
+    for r in rsqr:  # sinks + capped survivors rotated inside attention, plus the new key
+        assert r["rotations_per_token"] == {"write": 1, "attention": N + cap, "upkeep": 0, "total": N + cap + 1}
+        assert r["event_steps"] == 0 and len(r["raw_ms"]) == 8 and r["latency_ms"]["p50"] > 0
+    assert all(r["replay_events"] == 1 for r in pols["replay_b8"]["probes"])  # 8 steps, block 8
+    assert pols["rsqr"]["win_capacity"] == 16 and pols["rsqr"]["cache_bytes"]["total"] > 0
+    assert len(res.data["memory"]) == 16 and res.data["sweep"] == []
+    assert "| rsqr |" in res.markdown()
+    res.write_json(tmp_path / "latency.json")
+    assert json.loads((tmp_path / "latency.json").read_text())["args"]["positions"] == [40, 90]
+    res.plot(tmp_path / "latency.png")
+    assert (tmp_path / "latency.png").stat().st_size > 10_000
+
+
+def test_bench_decode_matches_hf_greedy_on_the_tiny_model(tmp_path):
+    """Our greedy continuation equals HF's (holding our very weights); a bounded row holds `cached` tokens."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    model = Llama(CFG, tiny_weights(CFG, 0), dtype=jnp.float32)
+    apply_fn, params = split_apply(model)
+    hf = B.hf_model_from_ours(SimpleNamespace(config=CFG, model=model))
+    (tmp_path / "t.txt").write_text(TEXT)
+    tok = ByteTokenizer(CFG.vocab_size)
+    config = B.BenchConfig(text=str(tmp_path / "t.txt"), cached=(16, 40), new=12, repeats=1, prefill_chunk=8,
+                           threads=1)
+    res = B.run(config, apply_fn, params, CFG, tok, hf_model=hf)
+    for row, cached in zip(res.data["rows"], (16, 40)):
+        assert row["greedy_agreement"] == 1.0 and row["first_divergence"] is None, row
+        assert row["win_capacity"] == B.round_up(cached + 12 + 1) and row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
+    assert "| 40 |" in res.markdown()
+    bounded = B.run(dataclasses.replace(config, policy="rsqr", cached=(32,)), apply_fn, params, CFG, tok)
+    (row,) = bounded.data["rows"]
+    assert row["cached_after_decode_ours"] == 32 and row["prompt_tokens_ours"] == 88 and "hf_tok_s" not in row

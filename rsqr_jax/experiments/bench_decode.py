@@ -123,10 +123,13 @@ def hf_model_from_ours(loaded):
 
 def hf_run(model, prompt: list[int], n_new: int):
     """(prefill_s, decode_s, decode_cpu_s, tokens) for greedy decoding with HF's DynamicCache."""
+    import warnings
+
     import torch
     from transformers import DynamicCache
 
-    with torch.inference_mode():
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values naming in transformers 5
         t0 = time.perf_counter()
         out = model(torch.tensor([prompt], dtype=torch.long), past_key_values=DynamicCache(), use_cache=True)
         nxt = int(out.logits[0, -1].argmax())
