@@ -26,7 +26,7 @@ import pytest
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax import update as U
-from rsqr_jax.engine import stream_nll
+from rsqr_jax.engine import Decoder, stream_nll
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.sampling import sample
@@ -88,8 +88,8 @@ def test_session_constant_policy_step_matches_the_data_policy_step(name):
     s = Session(apply_fn, params, spec, policy, prefill_chunk=4)
     s.feed(prompt)
     got = s.generate(20)
-    # the same stream through the plain jitted step, policy passed as data (one compilation for all three)
-    run = _data_step(apply_fn)
+    # the same stream through the plain step, policy passed as data (one compilation for all three)
+    run = Decoder(apply_fn, spec).feed
     cache, want, nxt = init_cache(spec), [], None
     for start in range(0, prompt.size, 4):
         part = prompt[start:start + 4]
@@ -101,15 +101,6 @@ def test_session_constant_policy_step_matches_the_data_policy_step(name):
         logits, cache = run(params, jnp.asarray([[nxt]], jnp.int32), cache, policy, jnp.int32(1))
         nxt = int(jnp.argmax(logits[0, 0]))
     assert got == want
-
-
-_DATA_STEPS: dict = {}
-
-
-def _data_step(apply_fn):
-    if apply_fn not in _DATA_STEPS:
-        _DATA_STEPS[apply_fn] = jax.jit(lambda p, tok, c, pol, n: U.step(apply_fn, p, tok, c, pol, n))
-    return _DATA_STEPS[apply_fn]
 
 
 def test_greedy_sampling_is_argmax_and_temperature_still_samples():

@@ -342,7 +342,7 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
         return row
 
     status(f"backend {jax.default_backend()}; load average {os.getloadavg()}")
-    data = {"args": {**_jsonable(dataclasses.asdict(config)), **(meta or {})}, "policies": {}, "sweep": [],
+    data = {"args": {**dataclasses.asdict(config), **(meta or {})}, "policies": {}, "sweep": [],
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                         "loadavg_start": os.getloadavg()}}
     # All sessions stay alive and every probe position is measured for every policy before moving on, so
@@ -409,7 +409,3 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
     data["machine"]["loadavg_end"] = os.getloadavg()
     data["total_s"] = time.perf_counter() - t_all
     return LatencyResult(data)
-
-
-def _jsonable(d: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

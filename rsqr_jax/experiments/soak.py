@@ -133,7 +133,8 @@ class SoakResult:
         d, a = self.data, self.data["args"]
         n, T = d["tokens"], d["tokens_requested"]
         lines = [f"soak: {n} tokens{'' if n == T else f' of {T} (interrupted)'} x {len(d['policies'])} policies "
-                 f"({', '.join(d['policies'])}), {'tiny model, ' if a.get('tiny') else ''}weights {a.get('dtype', '?')}, "
+                 f"({', '.join(d['policies'])}), {'tiny model, ' if a.get('tiny') else ''}"
+                 f"weights {a.get('dtype', '?')}, "
                  f"cache {a['cache_dtype']}, "
                  f"{d['mode']}, {d['loop_s']:.0f}s ({1e3 * d['loop_s'] / max(n, 1):.1f} ms/step)", ""]
         for name, c in d["criteria"].items():
@@ -277,7 +278,7 @@ def run(config: SoakConfig, apply_fn, params, model_config, tokenizer, *, meta: 
         ppl = {p.name: [float(math.exp(float(nll[i, s:min(s + bucket, n)].mean()))) for s in range(0, n, bucket)]
                for i, p in enumerate(policies)}
         return SoakResult({
-            "args": {**dataclasses.asdict(config), "policies": list(config.policies), **(meta or {})},
+            "args": {**dataclasses.asdict(config), **(meta or {})},
             "policies": [p.name for p in policies], "tokens": n, "tokens_requested": T, "complete": n == T,
             "verdict": "PASS" if all(c["pass"] for c in crit.values()) else "FAIL",
             "criteria": crit, "loop_s": time.perf_counter() - t_loop, "ms_per_token_mean": float(lat[W0:].mean()),
