@@ -4,12 +4,17 @@
   to the plain bfloat16 path;
 * a Session compiles its step with the policy as constants: same tokens as the data-policy step;
 * greedy sampling skips the sort (lax.cond): same token as argmax, and temperature > 0 still samples;
-* scripts/exp_latency.py's positions-only rotation counts match what each policy is defined to do.
+* rsqr_jax.experiments.latency's positions-only rotation counts match what each policy is defined to do,
+  and its run (and bench_decode's, greedy tokens equal to HF's) works end to end on the tiny model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,12 +26,15 @@ import pytest
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax import update as U
-from rsqr_jax.engine import stream_nll
+from rsqr_jax.engine import Decoder, stream_nll
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.sampling import sample
+from rsqr_jax.experiments import bench_decode as B
+from rsqr_jax.experiments import latency as L
 from rsqr_jax.session import Session
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+from rsqr_jax.testing.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config()
@@ -80,8 +88,8 @@ def test_session_constant_policy_step_matches_the_data_policy_step(name):
     s = Session(apply_fn, params, spec, policy, prefill_chunk=4)
     s.feed(prompt)
     got = s.generate(20)
-    # the same stream through the plain jitted step, policy passed as data (one compilation for all three)
-    run = _data_step(apply_fn)
+    # the same stream through the plain step, policy passed as data (one compilation for all three)
+    run = Decoder(apply_fn, spec).feed
     cache, want, nxt = init_cache(spec), [], None
     for start in range(0, prompt.size, 4):
         part = prompt[start:start + 4]
@@ -95,15 +103,6 @@ def test_session_constant_policy_step_matches_the_data_policy_step(name):
     assert got == want
 
 
-_DATA_STEPS: dict = {}
-
-
-def _data_step(apply_fn):
-    if apply_fn not in _DATA_STEPS:
-        _DATA_STEPS[apply_fn] = jax.jit(lambda p, tok, c, pol, n: U.step(apply_fn, p, tok, c, pol, n))
-    return _DATA_STEPS[apply_fn]
-
-
 def test_greedy_sampling_is_argmax_and_temperature_still_samples():
     logits = jnp.asarray(np.random.default_rng().normal(size=(3, 500)).astype(np.float32))
     key = jax.random.PRNGKey(0)
@@ -114,15 +113,8 @@ def test_greedy_sampling_is_argmax_and_temperature_still_samples():
     assert len(draws) > 1  # temperature 5 over 500 tokens: not the argmax every time
 
 
-def _exp_latency():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import exp_latency
-
-    return exp_latency
-
-
 def test_exp_latency_rotation_counts():
-    E = _exp_latency()
+    jump = L.bookkeeping()
     W, N, d, cap = 8, 2, 3, 3
     pols = {"rsqr": P.rsqr(W, N, d, cap), "streamingllm": P.streamingllm(W, N),
             "rerotate": P.rerotate(W, N, d, cap, block=4), "rsqr_precompute": P.rsqr_precompute(W, N, d, cap),
@@ -131,10 +123,10 @@ def test_exp_latency_rotation_counts():
     n = 24
     counts = {}
     for mode, pol in pols.items():
-        cache = E.advance_fn()(init_cache(spec), pol, 57)
+        cache = jump.advance(init_cache(spec), pol, 57)
         assert int(cache.t) == 57
-        tr = {k: np.asarray(v) for k, v in E.trace_fn(n)(cache, pol).items()}
-        counts[mode] = (tr, E.rotation_counts(mode, tr))
+        tr = {k: np.asarray(v) for k, v in jump.trace(cache, pol, n).items()}
+        counts[mode] = (tr, L.rotation_counts(mode, tr))
     tr, rot = counts["streamingllm"]  # every cached key (sinks + full window) rotated at its rank, every step
     assert (rot["attention"] == N + W).all() and (rot["write"] == 0).all() and (rot["upkeep"] == 0).all()
     tr, rot = counts["rsqr"]  # sinks + capped survivors rotated inside attention, plus the new key
@@ -161,10 +153,9 @@ def test_exp_latency_rotation_counts():
     ("exp_latency.py", ["--positions", "5000", "1000"], "increasing"),
 ])
 def test_bad_input_is_one_line(script, args, fragment):
-    import subprocess
-
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's packages, not the editable install's
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+                          timeout=120, cwd=REPO, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
@@ -172,7 +163,61 @@ def test_bad_input_is_one_line(script, args, fragment):
 
 def test_event_bump_label_says_why_there_is_none():
     """rerotate block 1 rotates at every step (no quiet step to compare with); rsqr never has an upkeep event."""
-    el = _exp_latency()
+    el = L
     assert el.bump_label({"event_bump": 1.3125, "event_steps": 3, "steps": 24}).strip() == "1.31x"
     assert "every step" in el.bump_label({"event_steps": 24, "steps": 24})
     assert "no upkeep events" in el.bump_label({"event_steps": 0, "steps": 24})
+
+
+TEXT = "It was on a dreary night of November that I beheld the accomplishment of my toils. " * 40
+
+
+def test_latency_run_on_the_tiny_model(tmp_path):
+    """Probe positions, rotation counts and the JSON layout of a whole (small) latency run."""
+    apply_fn, params = _model()
+    (tmp_path / "t.txt").write_text(TEXT)
+    N, cap = 2, 4
+    config = L.LatencyConfig(text=str(tmp_path / "t.txt"), positions=(40, 90), steps=8, replay_steps=8, full_max=40,
+                             policies=("full", "rsqr", "replay_b8"), window=16, sinks=N, delta=3, max_survivors=cap,
+                             no_sweep=True, progress=False)
+    res = L.run(config, apply_fn, params, CFG, ByteTokenizer(CFG.vocab_size))
+    pols = res.data["policies"]
+    assert list(pols) == ["full", "rsqr", "replay_b8"]
+    (full,) = pols["full"]["probes"]  # full_max = 40: the 90 probe is skipped
+    assert full["position"] == 40 and full["n_cached_mean"] == 44.5  # 41..48 cached over the 8 steps
+    assert full["rotations_per_token"]["total"] == 1 and full["win_capacity"] == 64
+    rsqr = pols["rsqr"]["probes"]
+    assert [r["position"] for r in rsqr] == [40, 90] and "flat_ratio" in pols["rsqr"]
+    for r in rsqr:  # sinks + capped survivors rotated inside attention, plus the new key
+        assert r["rotations_per_token"] == {"write": 1, "attention": N + cap, "upkeep": 0, "total": N + cap + 1}
+        assert r["event_steps"] == 0 and len(r["raw_ms"]) == 8 and r["latency_ms"]["p50"] > 0
+    assert all(r["replay_events"] == 1 for r in pols["replay_b8"]["probes"])  # 8 steps, block 8
+    assert pols["rsqr"]["win_capacity"] == 16 and pols["rsqr"]["cache_bytes"]["total"] > 0
+    assert len(res.data["memory"]) == 16 and res.data["sweep"] == []
+    assert "| rsqr |" in res.markdown()
+    res.write_json(tmp_path / "latency.json")
+    assert json.loads((tmp_path / "latency.json").read_text())["args"]["positions"] == [40, 90]
+    res.plot(tmp_path / "latency.png")
+    assert (tmp_path / "latency.png").stat().st_size > 10_000
+
+
+def test_bench_decode_matches_hf_greedy_on_the_tiny_model(tmp_path):
+    """Our greedy continuation equals HF's (holding our very weights); a bounded row holds `cached` tokens."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    model = Llama(CFG, tiny_weights(CFG, 0), dtype=jnp.float32)
+    apply_fn, params = split_apply(model)
+    hf = B.hf_model_from_ours(SimpleNamespace(config=CFG, model=model))
+    (tmp_path / "t.txt").write_text(TEXT)
+    tok = ByteTokenizer(CFG.vocab_size)
+    config = B.BenchConfig(text=str(tmp_path / "t.txt"), cached=(16, 40), new=12, repeats=1, prefill_chunk=8,
+                           threads=1)
+    res = B.run(config, apply_fn, params, CFG, tok, hf_model=hf)
+    for row, cached in zip(res.data["rows"], (16, 40)):
+        assert row["greedy_agreement"] == 1.0 and row["first_divergence"] is None, row
+        assert row["win_capacity"] == B.round_up(cached + 12 + 1) and row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
+    assert "| 40 |" in res.markdown()
+    bounded = B.run(dataclasses.replace(config, policy="rsqr", cached=(32,)), apply_fn, params, CFG, tok)
+    (row,) = bounded.data["rows"]
+    assert row["cached_after_decode_ours"] == 32 and row["prompt_tokens_ours"] == 88 and "hf_tok_s" not in row
