@@ -119,6 +119,12 @@ class Decoder:
         n_valid = tokens_BxC.shape[1] if n_valid is None else n_valid
         return _feed(self, params, jnp.asarray(tokens_BxC, jnp.int32), cache, policy, jnp.asarray(n_valid, jnp.int32))
 
+    def advance(self, params, tokens_BxC, cache: KVCache, policy: Policy | None, n_valid=None) -> KVCache:
+        """Append a chunk and return only the new cache (no logits: XLA drops the vocabulary projection)."""
+        n_valid = tokens_BxC.shape[1] if n_valid is None else n_valid
+        return _advance(self, params, jnp.asarray(tokens_BxC, jnp.int32), cache, policy,
+                        jnp.asarray(n_valid, jnp.int32))
+
     def feed_and_sample(self, params, tokens_BxC, cache: KVCache, policy: Policy | None, n_valid, rng,
                         temperature, top_p):
         """Append a chunk and sample the token after its last real one: (next_B, cache, rng)."""
@@ -151,8 +157,7 @@ def _jit(donate: int):
     return wrap
 
 
-@_jit(donate=3)
-def _feed(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
+def _feed_body(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
     def fn(cache, policy):
         return step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid,
                     max_recall_pages=dec.spec.max_recall_pages)
@@ -160,6 +165,16 @@ def _feed(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
     logits, cache = dec._map(fn, (0, 0))(cache, policy)
     cache, logits = dec._pin(cache, logits)
     return logits, cache
+
+
+@_jit(donate=3)
+def _feed(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
+    return _feed_body(dec, params, tokens_BxC, cache, policy, n_valid)
+
+
+@_jit(donate=3)
+def _advance(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
+    return _feed_body(dec, params, tokens_BxC, cache, policy, n_valid)[1]
 
 
 def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p):

@@ -44,6 +44,9 @@ def build_parser() -> Parser:
     p.add_argument("--cycle-len", type=int, default=16, help="filler tokens per cycle")
     p.add_argument("--delta", type=int, default=8, help="rsqr survivor stride")
     p.add_argument("--cap", type=int, default=16, help="rsqr_cap max_survivors")
+    p.add_argument("--recall-pages", type=int, default=4, help="rsqr_recall: cold pages recalled per layer and step")
+    p.add_argument("--cold-capacity", type=int, default=4096, help="rsqr_recall: evicted tokens the cold store keeps")
+    p.add_argument("--page-size", type=int, default=16, help="rsqr_recall: tokens per cold page")
     p.add_argument("--gen-tokens", type=int, default=10, help="greedy answer tokens")
     p.add_argument("--batch", type=int, default=40, help="trials per batch (rows of one forward)")
     p.add_argument("--seed", type=int, default=0)
@@ -68,7 +71,8 @@ def config_from_args(args) -> recall.RecallConfig:
     return recall.make_config(
         args.filler, quick=args.quick, trials=args.trials, n_facts=args.n_facts, **ints, **choices,
         facts=args.facts, preamble=args.preamble, window=args.window, block=args.block, cycle_len=args.cycle_len,
-        delta=args.delta, cap=args.cap, gen_tokens=args.gen_tokens, batch=args.batch, seed=args.seed,
+        delta=args.delta, cap=args.cap, recall_pages=args.recall_pages, cold_capacity=args.cold_capacity,
+        page_size=args.page_size, gen_tokens=args.gen_tokens, batch=args.batch, seed=args.seed,
         model=args.model, dtype=args.dtype, kernel=args.kernel)
 
 

@@ -141,3 +141,16 @@ def test_nucleus_keeps_exactly_the_smallest_set_reaching_top_p():
     drawn = {int(sample(jnp.asarray(logits[:, perm]), jax.random.PRNGKey(i), jnp.float32(1.0), jnp.float32(0.7))[0])
              for i in range(200)}
     assert drawn == {int(np.where(perm == 0)[0][0]), int(np.where(perm == 1)[0][0])}
+
+
+def test_advance_gives_the_cache_feed_gives():
+    apply_fn, params = tiny_model(CFG, 9)
+    dec = Decoder(apply_fn, SPEC)
+    tokens = _seeded("advance").integers(0, CFG.vocab_size, size=(1, 4))
+    a, b = dec.init_cache(), dec.init_cache()
+    for n in (4, 4, 2):
+        a = dec.advance(params, tokens, a, POLICIES[0], n)
+        _, b = dec.feed(params, tokens, b, POLICIES[0], n)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert int(a.t) == 10

@@ -104,6 +104,9 @@ class RecallConfig:
     cycle_len: int = 16
     delta: int = 8
     cap: int = 16
+    recall_pages: int = 4  # rsqr_recall: rsqr_cap + the recall tier (DESIGN section 3b)
+    cold_capacity: int = 4096
+    page_size: int = 16
     gen_tokens: int = 10
     batch: int = 40
     seed: int = 0
@@ -134,6 +137,10 @@ class RecallConfig:
             raise ConfigError(f"--block {self.block} must not exceed --window {self.window}")
         if self.gen_tokens < 2:
             raise ConfigError("--gen-tokens must be >= 2")
+        if self.recall_pages < 1 or self.page_size < 1 or self.cold_capacity < self.page_size \
+                or self.cold_capacity % self.page_size:
+            raise ConfigError(f"--recall-pages must be >= 1 and --cold-capacity ({self.cold_capacity}) a positive "
+                              f"multiple of --page-size ({self.page_size})")
         if self.preamble not in ("none", "chat"):
             raise ConfigError(f"--preamble must be none or chat, got {self.preamble!r}")
         return self
@@ -170,6 +177,7 @@ class RecallConfig:
                 "preamble": self.preamble, "seed": self.seed, "trials": self.trials, "n_facts": self.n_facts,
                 "window": self.window, "block": self.block, "cycle_len": self.cycle_len, "delta": self.delta,
                 "cap": self.cap, "gen_tokens": self.gen_tokens, "cycles": list(self.cycles),
+                "recall": [self.recall_pages, self.cold_capacity, self.page_size],
                 "bf16_cycles": list(self.bf16_cycles), "unprotected_cycles": list(self.unprotected_cycles),
                 "quick": self.quick}
 
@@ -191,7 +199,7 @@ def make_config(filler: str, *, quick: bool = False, trials=None, cycles=None, d
         variants=tuple(variants or VARIANTS), arms=tuple(arms or ARMS),
         bf16_arms=tuple(bf16_arms or ["rerotate", "streamingllm"]),
         n_facts=n_facts if n_facts is not None else 1,
-        unprotected_arms=tuple(unprotected_arms or (["streamingllm", "rsqr"] if q else [a for a in ARMS if a != "full"])),
+        unprotected_arms=tuple(unprotected_arms or (["streamingllm", "rsqr", "rsqr_recall"] if q else [a for a in ARMS if a != "full"])),
         bf16_cycles=tuple(bf16_cycles or [c for c in cycles if c <= 16]),
         unprotected_cycles=tuple(unprotected_cycles or [c for c in cycles if c <= 4]), **fixed)
     return cfg.validate()
@@ -212,6 +220,9 @@ def arm_policy(arm: str, cfg: RecallConfig, n_sink: int, uncapped: int):
     if arm == "rsqr_cap":
         return make_policy("rsqr", window=W, n_sink=n_sink, delta=cfg.delta, max_survivors=cfg.cap, block=b,
                            overflow="fifo")
+    if arm == "rsqr_recall":  # the device cache of rsqr_cap plus the recalled slots
+        return make_policy("rsqr", window=W, n_sink=n_sink, delta=cfg.delta, max_survivors=cfg.cap, block=b,
+                           overflow="fifo", recall_pages=cfg.recall_pages)
     raise ValueError(arm)
 
 
@@ -294,7 +305,8 @@ class _Study:
         self.token_rows = 0
 
     def decoder(self, dtype: str, policies, max_len: int = 0):
-        """A Decoder for the union spec of `policies` (equal specs share one compilation)."""
+        """A Decoder for the union spec of `policies` (equal specs share one compilation); a cold store
+        only when one of them recalls."""
         from rsqr_jax.engine import Decoder
         from rsqr_jax.spec import CacheSpec
 
@@ -302,8 +314,13 @@ class _Study:
         c = m.config
         spec = CacheSpec.for_policies(policies, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                       head_dim=c.head_dim, batch=self.B, dtype=dtype, max_chunk=self.cfg.chunk,
-                                      max_len=max_len)
+                                      max_len=max_len, **self.cold_store(policies))
         return Decoder(m.apply_fn, spec, gen_block=self.cfg.gen_tokens)
+
+    def cold_store(self, policies) -> dict:
+        if not any(int(np.asarray(p.recall_pages)) for p in policies):
+            return {}
+        return {"cold_capacity": self.cfg.cold_capacity, "page_size": self.cfg.page_size}
 
     def stream_arm(self, dec, dtype, variant, arm, policy, cycles, n_sink):
         """One long stream per trial batch, asked at every checkpoint; records every trial's answer."""
@@ -374,7 +391,7 @@ class _Study:
 
 
 def _mode(arm: str) -> str:
-    return {"rsqr_cap": "rsqr"}.get(arm, arm)
+    return {"rsqr_cap": "rsqr", "rsqr_recall": "rsqr"}.get(arm, arm)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -423,8 +440,11 @@ def run(cfg: RecallConfig, models: dict[str, RecallModel], out_dir, *, previous:
         return res
 
     def run_arm(variant, dtype, arm, pols, bounded, run_len, cycles, n_sink) -> None:
-        if cfg.quick:  # one spec (one compilation) for every arm of the run
-            allp = [arm_policy(a, cfg, n, uncapped) for a in ARMS for n in (P_len, unprotected_sinks)]
+        if arm == "rsqr_recall":  # its own spec: the cold store stays out of the other arms' compilation
+            dec = study.decoder(dtype, [pols[arm]])
+        elif cfg.quick:  # one spec (one compilation) for every other arm of the run
+            allp = [arm_policy(a, cfg, n, uncapped) for a in ARMS if a != "rsqr_recall"
+                    for n in (P_len, unprotected_sinks)]
             dec = study.decoder(dtype, allp, max_len=total_len)
         elif arm == "full":
             dec = study.decoder(dtype, [pols[arm]], max_len=run_len)

@@ -256,7 +256,8 @@ def plot(summary: list[dict], path: Path) -> None:
     panels = sorted({(s["variant"], s["dtype"]) for s in summary},
                     key=lambda p: (VARIANTS.index(p[0]), ("float32", "bfloat16").index(p[1])))
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.6), squeeze=False)
-    colors = dict(zip(ARMS, ["black", "tab:purple", "tab:orange", "tab:red", "tab:blue", "tab:green", "tab:olive"]))
+    colors = dict(zip(ARMS, ["black", "tab:purple", "tab:orange", "tab:red", "tab:blue", "tab:green", "tab:olive",
+                            "tab:cyan"]))
     for ax, (variant, dtype) in zip(axes[0], panels):
         for arm in ARMS:
             rows = [s for s in summary if (s["variant"], s["dtype"], s["arm"]) == (variant, dtype, arm)]

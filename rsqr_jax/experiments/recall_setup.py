@@ -12,7 +12,7 @@ import numpy as np
 
 from rsqr_jax.experiments.common import ConfigError
 
-ARMS = ("full", "replay", "rerotate", "leave_gaps", "streamingllm", "rsqr", "rsqr_cap")
+ARMS = ("full", "replay", "rerotate", "leave_gaps", "streamingllm", "rsqr", "rsqr_cap", "rsqr_recall")
 VARIANTS = ("pinned", "unprotected")
 UNPROTECTED_SINKS = 4  # "The secret number of": the unprotected variant's sinks (after any preamble)
 GLOBAL_MODES = ("full", "window", "leave_gaps")  # attention sees global positions; the others see ranks
