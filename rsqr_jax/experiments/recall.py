@@ -440,8 +440,8 @@ def run(cfg: RecallConfig, models: dict[str, RecallModel], out_dir, *, previous:
         return res
 
     def run_arm(variant, dtype, arm, pols, bounded, run_len, cycles, n_sink) -> None:
-        if arm == "rsqr_recall":  # its own spec: the cold store stays out of the other arms' compilation
-            dec = study.decoder(dtype, [pols[arm]])
+        if arm == "rsqr_recall":  # its own spec (both sink counts): the cold store stays out of the others'
+            dec = study.decoder(dtype, [arm_policy(arm, cfg, n, uncapped) for n in (P_len, unprotected_sinks)])
         elif cfg.quick:  # one spec (one compilation) for every other arm of the run
             allp = [arm_policy(a, cfg, n, uncapped) for a in ARMS if a != "rsqr_recall"
                     for n in (P_len, unprotected_sinks)]
