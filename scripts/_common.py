@@ -113,12 +113,13 @@ def status(msg: str) -> None:
 def run_main(main) -> None:
     """Run main(); map user errors to one line on stderr and exit code 2."""
     from models.config import ModelLoadError
+    from rsqr_jax.experiments.common import ConfigError
     from rsqr_jax.policy import PolicyError
 
     prog = Path(sys.argv[0]).name
     try:
         code = main()
-    except (UsageError, PolicyError, ModelLoadError) as e:
+    except (UsageError, PolicyError, ModelLoadError, ConfigError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
