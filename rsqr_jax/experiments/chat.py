@@ -73,7 +73,7 @@ def check_generation(*, max_new_tokens: int, temperature: float, top_p: float, s
 
 def check_dtype(flag: str, value: str | None, allowed: tuple[str, ...] = DTYPES) -> None:
     if value is not None and value not in allowed:
-        raise ConfigError(f"{flag} must be {' or '.join(allowed)}, got {value!r}")
+        raise ConfigError(f"{flag} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
 
 
 def resolve_weights_dtype(weights_dtype: str, cache_dtype: str, platform: str) -> str:
