@@ -105,9 +105,11 @@ class LoadedModel:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
+            from models.gguf import forget_readers
             from models.loading import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.path)
+            forget_readers()  # weights and tokenizer are read: the parsed GGUF (~70 MB of metadata) can go
         return self._tokenizer
 
     @property

@@ -18,7 +18,6 @@ The loop lives in rsqr_jax/experiments/chat.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -44,24 +43,13 @@ def build_parser() -> Parser:
     p.add_argument("--save", default=None, metavar="PATH", help="save the session to PATH after every turn")
     p.add_argument("--resume", default=None, metavar="PATH", help="continue the session saved in PATH")
     add_policy_args(p, default_policy="rsqr")
-    add_model_args(p)  # --dtype: the KV cache dtype (kept for compatibility; same as --cache-dtype)
-    p.add_argument("--cache-dtype", default=None, help="KV cache dtype, float32 (default) or bfloat16")
+    add_model_args(p)  # its --dtype is the KV cache dtype here (kept for compatibility)
+    p.add_argument("--cache-dtype", default=None,
+                   help="KV cache dtype, float32 (default) or bfloat16; --dtype is the same setting")
     p.add_argument("--weights-dtype", default="auto",
                    help="float32, bfloat16 or auto (default): float32 on CPU, where bfloat16 weights decode "
                         "4-5x slower; the cache dtype on GPU/TPU")
     return p
-
-
-def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The dests of the flags actually given on the command line (not left at their defaults)."""
-    saved = {id(a): a.default for a in parser._actions}
-    try:
-        for a in parser._actions:
-            a.default = argparse.SUPPRESS
-        return set(vars(parser.parse_args(argv)))
-    finally:
-        for a in parser._actions:
-            a.default = saved[id(a)]
 
 
 def main() -> int:
@@ -69,13 +57,10 @@ def main() -> int:
 
     parser = build_parser()
     args = parser.parse_args()
-    given = explicit_dests(parser, sys.argv[1:])
+    given = chat.given_flags(parser, sys.argv[1:])
     check_model_args(args)
-    chat.check_dtype("--cache-dtype", args.cache_dtype)
-    chat.check_dtype("--weights-dtype", args.weights_dtype, chat.DTYPES + ("auto",))
-    if "dtype" in given and args.cache_dtype not in (None, args.dtype):
-        raise UsageError(f"--dtype {args.dtype} and --cache-dtype {args.cache_dtype} disagree (give one)")
-    args.cache_dtype = args.dtype = args.cache_dtype or args.dtype
+    args.cache_dtype = args.dtype = chat.cache_dtype(args.dtype, args.cache_dtype, args.weights_dtype,
+                                                     dtype_given="dtype" in given)
     if args.model is not None:
         args.model = os.path.abspath(args.model)  # the model identity a saved session records
     chat.check_generation(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

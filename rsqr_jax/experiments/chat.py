@@ -7,6 +7,7 @@ Model-agnostic: `run` takes a ready Session and a transformers-style tokenizer (
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -76,6 +77,15 @@ def check_dtype(flag: str, value: str | None, allowed: tuple[str, ...] = DTYPES)
         raise ConfigError(f"{flag} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
 
 
+def cache_dtype(dtype: str, cache_dtype: str | None, weights_dtype: str, *, dtype_given: bool) -> str:
+    """The KV cache dtype from --cache-dtype or (compatibility) --dtype; checks --weights-dtype too."""
+    check_dtype("--cache-dtype", cache_dtype)
+    check_dtype("--weights-dtype", weights_dtype, DTYPES + ("auto",))
+    if dtype_given and cache_dtype not in (None, dtype):
+        raise ConfigError(f"--dtype {dtype} and --cache-dtype {cache_dtype} disagree (give one)")
+    return cache_dtype or dtype
+
+
 def resolve_weights_dtype(weights_dtype: str, cache_dtype: str, platform: str) -> str:
     """`auto`: float32 on CPU (XLA:CPU runs bfloat16 matmuls 4-5x slower than float32), the cache dtype on
     accelerators (bfloat16 weights halve the memory traffic there)."""
@@ -112,6 +122,19 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
     if prompt is not None and not prompt.strip():
         raise ConfigError("--prompt is empty")
     return prompt
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the flags actually given on the command line (not left at their defaults): only those
+    can conflict with a resumed session."""
+    saved = {id(a): a.default for a in parser._actions}
+    try:
+        for a in parser._actions:
+            a.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for a in parser._actions:
+            a.default = saved[id(a)]
 
 
 # command-line dest -> where its value lives in a session file's policy header
