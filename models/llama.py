@@ -109,9 +109,11 @@ class LoadedModel:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
+            from models.gguf import forget_readers
             from models.loading import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.path)
+            forget_readers()  # weights and tokenizer are read: the parsed GGUF (~70 MB of metadata) can go
         return self._tokenizer
 
     @property
@@ -123,17 +125,28 @@ class LoadedModel:
                 "dtype": self.dtype}
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=1)
 def _load_cached(path: str, dtype: str) -> LoadedModel:
-    from models.loading import load_config, load_weights
+    """One loaded model per process (a second path or dtype replaces it: two copies of the weights never
+    stay alive through this cache).
+
+    Each canonical tensor goes to the device as soon as it is read (on CPU `jax.device_put` adopts the
+    loader's 64-byte aligned buffer; elsewhere it copies, and the wait drops the host copy before the next
+    tensor is read: copies are asynchronous), so the host never holds the weights twice.
+    """
+    from models.loading import iter_weights, load_config
 
     config = load_config(path)
-    weights = load_weights(path, config)
+    weights = {}
+    for name, w in iter_weights(path, config):
+        w = w if w.dtype == jnp.dtype(dtype) else w.astype(jnp.dtype(dtype))
+        weights[name] = jax.device_put(w).block_until_ready()  # CPU: adopts the aligned buffer, no copy
+        del w
     return LoadedModel(config, Llama(config, weights, dtype=jnp.dtype(dtype)), path, dtype)
 
 
 def load_model(path: str | None = None, dtype: str = "float32") -> LoadedModel:
-    """Load a GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct)."""
+    """Load a GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct) with weights in `dtype`."""
     from models.loading import default_model_path
 
     path = default_model_path() if path is None else str(path)

@@ -1,0 +1,197 @@
+"""rsqr_jax.experiments.chat (the loop behind scripts/decode.py) on the tiny model, and decode.py's dtype flags.
+
+In-process tests use the tiny random model of tests/tiny_session.py (seed 0) and a character tokenizer;
+the subprocess tests check the one-line errors of the new flags (before any model is loaded) and, on the
+real model (slow), that --cache-dtype reaches the CacheSpec while the weights stay float32.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rsqr_jax.experiments import chat
+from rsqr_jax.experiments.common import ConfigError
+from rsqr_jax.session import Session
+from tests.test_cli import assert_one_line_error, run
+from tests.tiny_session import CFG, IDENTITY, make_session, model
+
+
+class CharTokenizer:
+    """Just enough of a transformers tokenizer for ChatFeed and chat.run: ids are characters mod vocab."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % CFG.vocab_size for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+TOK = CharTokenizer()
+
+
+def test_chat_feed_feeds_only_the_new_text():
+    feed = chat.ChatFeed(TOK)
+    first = feed.user_turn("hi")
+    assert first == TOK.encode("<user>hi</><assistant>")
+    feed.assistant_reply("yo")
+    assert feed.fed_text == "<user>hi</><assistant>yo"
+    assert feed.user_turn("x") == TOK.encode("</><user>x</><assistant>")  # closes the reply, adds the turn
+    assert [m["role"] for m in feed.messages] == ["user", "assistant", "user"]
+
+
+def test_run_counts_tokens_and_streams_every_reply(capsys):
+    session = make_session("rsqr")
+    config = chat.ChatConfig(("hello", "again"), chat=True, max_new_tokens=5)
+    result = chat.run(config, session, TOK)
+    assert result.n_generated == 10 and len(result.replies) == 2  # the tiny model has no EOS ids here
+    # the second turn feeds only what closes the first reply and opens the new turn
+    assert result.n_prompt_tokens == len("<user>hello</><assistant>") + len("</><user>again</><assistant>")
+    assert result.session_tokens == session.n_tokens > result.n_prompt_tokens
+    out = capsys.readouterr().out
+    assert ">>> hello" in out and ">>> again" in out and all(r in out for r in result.replies)
+    js = result.to_json(policy="rsqr")
+    assert js["text"] == "\n\n".join(result.replies) and js["policy"] == "rsqr" and js["n_generated"] == 10
+
+
+def test_plain_prompt_and_stdin_lines(capsys):
+    result = chat.run(chat.ChatConfig(("abc",), chat=False, max_new_tokens=3), make_session("rsqr"), TOK)
+    assert result.n_prompt_tokens == 3 and result.to_json()["text"] == result.replies[0]
+    lines = chat.run(chat.ChatConfig(None, chat=False, max_new_tokens=2), make_session("rsqr"), TOK,
+                     lines=["one\n", "  \n", "two\n"])
+    assert len(lines.replies) == 2  # blank lines are skipped
+    assert ">>>" not in capsys.readouterr().out
+
+
+def test_save_after_every_turn_and_resume_continue_the_same_conversation(tmp_path, capsys):
+    turns = ("my name is ada", "what is my name")
+    whole = chat.run(chat.ChatConfig(turns, chat=True, max_new_tokens=4), make_session("rsqr"), TOK)
+
+    path = str(tmp_path / "s.session")
+    first = chat.run(chat.ChatConfig(turns[:1], chat=True, max_new_tokens=4, save=path), make_session("rsqr"), TOK,
+                     identity=IDENTITY)
+    apply_fn, params = model()
+    resumed = Session.load(path, apply_fn, params, IDENTITY)
+    assert [m["role"] for m in resumed.extra["messages"]] == ["user", "assistant"]
+    second = chat.run(chat.ChatConfig(turns[1:], chat=True, max_new_tokens=4), resumed, TOK)
+    assert first.replies + second.replies == whole.replies  # bit-identical continuation
+    assert second.session_tokens == whole.session_tokens
+
+
+def test_a_full_cache_is_a_one_line_config_error():
+    from rsqr_jax import policy as P
+    from rsqr_jax.spec import CacheSpec
+
+    apply_fn, params = model()
+    spec = CacheSpec.for_policies(P.full(), num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
+                                  head_dim=CFG.head_dim, max_chunk=4, max_len=8)
+    session = Session(apply_fn, params, spec, P.full(), prefill_chunk=4)
+    with pytest.raises(ConfigError, match="full attention cache holds"):
+        chat.run(chat.ChatConfig(("a long prompt",), chat=False, max_new_tokens=2), session, TOK)
+
+
+def test_plan_turns():
+    assert chat.plan_turns(None, False, resumed=False) == (chat.DEMO_TURNS, True)
+    assert chat.plan_turns("hi", False, resumed=False) == (("hi",), False)
+    assert chat.plan_turns(None, True, resumed=False) == (None, True)
+    assert chat.plan_turns(None, False, resumed=True) == (None, False)
+
+
+def test_weights_dtype_auto_is_float32_on_cpu_and_the_cache_dtype_elsewhere():
+    assert chat.resolve_weights_dtype("auto", "bfloat16", "cpu") == "float32"
+    assert chat.resolve_weights_dtype("auto", "bfloat16", "gpu") == "bfloat16"
+    assert chat.resolve_weights_dtype("auto", "float32", "gpu") == "float32"
+    assert chat.resolve_weights_dtype("bfloat16", "float32", "cpu") == "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def header(tmp_path_factory):
+    s = make_session("rsqr")
+    s.feed(np.arange(10) % CFG.vocab_size)
+    path = tmp_path_factory.mktemp("chat") / "tiny.session"
+    s.save(path, IDENTITY, extra={"chat": True, "messages": [], "fed_text": ""})
+    return Session.read_header(path)
+
+
+def test_apply_resume_takes_the_saved_settings(header):
+    settings = chat.apply_resume({"window": 256, "weights_dtype": "auto", "model": None}, header, given=set())
+    assert settings["window"] == 8 and settings["policy"] == "rsqr" and settings["chat"] is True
+    assert settings["weights_dtype"] == "float32" and settings["cache_dtype"] == settings["dtype"] == "float32"
+    same = chat.apply_resume({"window": 8, "weights_dtype": "auto", "chat": True}, header,
+                             given={"window", "weights_dtype", "chat"})  # repeating the saved values is fine
+    assert same["window"] == 8
+
+
+@pytest.mark.parametrize("dest,value,fragment", [
+    ("window", 64, "--window 64 conflicts with the resumed session (window = 8)"),
+    ("weights_dtype", "bfloat16", "--weights-dtype bfloat16 conflicts with the resumed session (weights_dtype = float32)"),
+    ("cache_dtype", "bfloat16", "--cache-dtype bfloat16 conflicts"),
+    ("dtype", "bfloat16", "--dtype bfloat16 conflicts"),
+    ("model", "/elsewhere/model.gguf", "--model /elsewhere/model.gguf conflicts"),
+])
+def test_apply_resume_refuses_conflicting_flags(header, dest, value, fragment):
+    with pytest.raises(ConfigError) as e:
+        chat.apply_resume({dest: value}, header, given={dest})
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode.py: the dtype flags and --out (errors found before the model is loaded).
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--weights-dtype", "float16"], "--weights-dtype must be float32, bfloat16 or auto, got 'float16'"),
+    (["--cache-dtype", "int8"], "--cache-dtype must be float32 or bfloat16, got 'int8'"),
+    (["--dtype", "bfloat16", "--cache-dtype", "float32"], "--dtype bfloat16 and --cache-dtype float32 disagree"),
+])
+def test_decode_bad_dtype_flags(args, fragment):
+    assert_one_line_error(run("decode.py", *args), fragment)
+
+
+def test_decode_out_must_be_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert_one_line_error(run("decode.py", "--out", str(f)), "--out")
+
+
+def test_decode_resume_refuses_other_dtypes(tmp_path):
+    s = make_session("rsqr")
+    s.feed([1, 2, 3])
+    path = tmp_path / "t.session"
+    s.save(path, IDENTITY, extra={"chat": False})
+    assert_one_line_error(run("decode.py", "--resume", str(path), "--weights-dtype", "bfloat16"),
+                          "--weights-dtype bfloat16 conflicts")
+    assert_one_line_error(run("decode.py", "--resume", str(path), "--cache-dtype", "bfloat16"),
+                          "--cache-dtype bfloat16 conflicts")
+
+
+def test_decode_help_names_the_dtype_defaults():
+    proc = run("decode.py", "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "--weights-dtype" in text and "float32 on CPU" in text and "--cache-dtype" in text
+
+
+@pytest.mark.slow
+def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_path, smollm2_config, tmp_path):
+    from rsqr_jax.policy import make_policy
+    from rsqr_jax.spec import CacheSpec
+
+    proc = run("decode.py", "--prompt", "Hi", "--max-new-tokens", "2", "--cache-dtype", "bfloat16", "--json",
+               "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result == json.loads((tmp_path / "decode.json").read_text())
+    assert (result["weights_dtype"], result["cache_dtype"], result["dtype"]) == ("float32", "bfloat16", "bfloat16")
+    c = smollm2_config
+    pol = make_policy("rsqr", window=256, n_sink=4, delta=8, max_survivors=64, block=1, overflow="fifo")
+    spec = CacheSpec.for_policies(pol, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                  dtype="bfloat16", max_chunk=64)
+    assert result["cache_bytes"] == spec.bytes_by_part(pol)
+    assert "float32 weights, bfloat16 cache" in proc.stderr
