@@ -24,7 +24,7 @@ import sys
 import time
 
 from _common import (Parser, UsageError, add_model_args, add_policy_args, check_cache_fits, check_model_args,
-                     policy_from_args, run_main, status)
+                     cold_store_args, policy_from_args, run_main, status)
 
 
 def build_parser() -> Parser:
@@ -94,7 +94,7 @@ def main() -> int:
     cfg = load_config(model_path)
     chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
     sizes = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                 dtype=args.cache_dtype, max_chunk=chunk)
+                 dtype=args.cache_dtype, max_chunk=chunk, **cold_store_args(args))
     if header is not None:
         try:  # the identity the loaded model will have (checked again by Session.load)
             check_identity(args.resume, header["identity"], LoadedModel(cfg, None, model_path, weights_dtype).identity)

@@ -139,7 +139,7 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
 
 # command-line dest -> where its value lives in a session file's policy header
 _POLICY_FIELDS = {"window": "window", "sinks": "n_sink", "delta": "delta", "max_survivors": "max_survivors",
-                  "block": "block"}
+                  "block": "block", "recall_pages": "recall_pages"}
 
 
 def saved_settings(header: dict) -> dict:
@@ -153,6 +153,8 @@ def saved_settings(header: dict) -> dict:
             "prefill_chunk": header["prefill_chunk"], "temperature": header["temperature"],
             "top_p": header["top_p"], "seed": header["seed"], "dtype": cache_dtype, "cache_dtype": cache_dtype,
             "weights_dtype": header["identity"].get("dtype", cache_dtype),
+            **({"cold_capacity": header["spec"]["cold_capacity"], "page_size": header["spec"]["page_size"]}
+               if header["spec"].get("cold_capacity") else {}),
             "chat": bool(header["extra"].get("chat", False))}
 
 
