@@ -4,7 +4,6 @@ one-line-error contract (bad input -> one line on stderr, exit code 2, no traceb
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -120,15 +119,6 @@ def load_model_from_args(args):
     loaded = load_model(args.model, args.dtype)
     apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
     return loaded, apply_fn, params
-
-
-def write_json_atomic(path, obj: dict) -> None:
-    """Write JSON to a temporary file beside `path`, then rename: a killed run never leaves a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def status(msg: str) -> None:

@@ -11,7 +11,6 @@ import json
 
 from _common import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_cache_fits, check_model_args,
                      cold_store_args, load_model_from_args, policy_from_args, run_main)
-from rsqr_jax.experiments.common import read_tokens  # noqa: F401  (scripts/sweep.py, bench_sweep.py import it here)
 
 
 def build_parser() -> Parser:

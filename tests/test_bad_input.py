@@ -20,19 +20,14 @@ from rsqr_jax.spec import CacheSpec, validate
 from rsqr_jax.policy import PolicyError
 from rsqr_jax.session import Session, SessionFileError
 from rsqr_jax.engine import stream_nll
-from tests.test_cli import assert_one_line_error, run
+from tests.cli import assert_one_line_error
+from tests.cli import run_script as run
 from tests.tiny_session import CFG, IDENTITY, POLICIES, SPEC, make_session, model
 
 
 def assert_error_after_loading(proc, script: str, fragment: str) -> None:
     """For errors found after the model is loaded: status lines may precede the one error line."""
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith(f"{script}: error:")]
-    assert errors == [lines[-1]], proc.stderr
-    assert fragment in errors[0], errors[0]
-    assert proc.stdout == ""
+    assert_one_line_error(proc, fragment, after_status=True, prog=script)
 
 
 # ---------------------------------------------------------------------------------------------------------

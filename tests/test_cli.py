@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import assert_one_line_error
+from tests.cli import run_script as run
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run(script: str, *args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
-                          input=stdin, timeout=timeout, cwd=REPO)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert fragment in lines[0], lines[0]
-    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize("script", ["decode.py", "eval_stream.py"])

@@ -17,6 +17,7 @@ import pytest
 from rsqr_jax.experiments import soak as S
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.testing.tokenizer import ByteTokenizer
+from tests.cli import assert_one_line_error
 
 REPO = Path(__file__).resolve().parent.parent
 CRITERIA = S.CRITERIA
@@ -171,6 +172,4 @@ def test_floor_ratio_ignores_neighbour_bursts_but_not_a_trend():
 def test_soak_bad_input_is_one_line(args, fragment):
     cmd, kw = _script(*args)
     proc = subprocess.run(cmd, capture_output=True, timeout=60, **kw)
-    assert proc.returncode == 2
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert_one_line_error(proc, fragment)

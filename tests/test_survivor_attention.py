@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import survivor_attention, survivor_attention_reference
 from pallas_kernels.survivor_attention import _angle_input, _survivor_attention_parts, survivor_attention_xla
 from rsqr_jax.testing.kernel import (KERNEL_ARGS, args_of, kernel_inputs, oracle_f64, rel_err, rope_inv_freq,
-                                     rotate_f64)
+                                     rope_f64)
 
 
 def reference(inp, inv):
@@ -156,9 +156,9 @@ def test_oracle_by_hand_gqa_and_masks():
     got = oracle_f64(*args_of(inp), inv)
     for h in range(6):
         kv = h // 3
-        qw = rotate_f64(a["q"][0, 0, h], a["q_pos_win"][0, 0], inv)
-        qs = rotate_f64(a["q"][0, 0, h], a["q_pos_surv"][0, 0], inv)
-        surv = [rotate_f64(k, p, inv) for k, p in zip(a["surv_k_raw"][0, kv], a["surv_pos"][0])]
+        qw = rope_f64(a["q"][0, 0, h], a["q_pos_win"][0, 0], inv)
+        qs = rope_f64(a["q"][0, 0, h], a["q_pos_surv"][0, 0], inv)
+        surv = [rope_f64(k, p, inv) for k, p in zip(a["surv_k_raw"][0, kv], a["surv_pos"][0])]
         keys = list(a["win_k"][0, kv]) + surv
         vals = list(a["win_v"][0, kv]) + list(a["surv_v"][0, kv])
         vis = [0 <= p <= a["q_pos_win"][0, 0] for p in a["win_pos"][0]] + list(a["surv_valid"][0])

@@ -21,6 +21,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
 from rsqr_jax.sweep import policy_grid, summarize, sweep_nll
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+from tests.cli import assert_one_line_error
 
 CFG = tiny_config()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,10 +191,7 @@ def _cli(*args, timeout=600):
     (["--quick", "--model", os.path.join(ROOT, "README.md")], "not both --quick and --model"),
 ])
 def test_sweep_cli_bad_input(args, fragment):
-    proc = _cli(*args)
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert_one_line_error(_cli(*args), fragment)
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rsqr_jax.testing.oracle import rope_f64
+
 KERNEL_ARGS = ("q", "win_k", "win_v", "win_pos", "surv_k_raw", "surv_v", "surv_pos", "surv_valid", "q_pos_win",
                "q_pos_surv")
 N_SINK = 4  # logical positions 0..3 belong to the sinks; survivor slots follow them
@@ -23,15 +25,6 @@ def rope_inv_freq(D: int, base: float = 10000.0) -> np.ndarray:
     """float32 [D/2] RoPE inverse frequencies (Llama: base 1e4; SmolLM2: 1e5)."""
     return (1.0 / base ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
 
-
-def rotate_f64(x, pos, inv_freq) -> np.ndarray:
-    """R_pos x in float64, half-split layout. x [..., D], pos broadcastable to x[..., 0]."""
-    x = np.asarray(x, np.float64)
-    ang = np.asarray(pos, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
-    c, s = np.cos(ang), np.sin(ang)
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
 def oracle_f64(q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv,
@@ -46,9 +39,9 @@ def oracle_f64(q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_vali
     Hkv = win_k.shape[1]
     scale = D**-0.5 if scale is None else scale
     q_BxCxHkvxGxD = q.reshape(B, C, Hkv, Hq // Hkv, D)
-    qw = rotate_f64(q_BxCxHkvxGxD, q_pos_win[:, :, None, None], inv_freq)
-    qs = rotate_f64(q_BxCxHkvxGxD, q_pos_surv[:, :, None, None], inv_freq)
-    ks = rotate_f64(surv_k_raw, surv_pos[:, None, :], inv_freq)
+    qw = rope_f64(q_BxCxHkvxGxD, q_pos_win[:, :, None, None], inv_freq)
+    qs = rope_f64(q_BxCxHkvxGxD, q_pos_surv[:, :, None, None], inv_freq)
+    ks = rope_f64(surv_k_raw, surv_pos[:, None, :], inv_freq)
     s_win = np.einsum("bckgd,bkwd->bckgw", qw, win_k) * scale
     s_surv = np.einsum("bckgd,bksd->bckgs", qs, ks) * scale
     vis_win = ((win_pos[:, None, :] >= 0) & (win_pos[:, None, :] <= q_pos_win[:, :, None]))[:, :, None, None]
@@ -86,7 +79,7 @@ def kernel_inputs(seed: int, *, B, C, Hq, Hkv, D, W, S, dtype, t0=None, empty_wi
         win_pos[:] = -1
     surv_pos = np.tile(np.arange(N_SINK, N_SINK + S, dtype=np.int32), (B, 1))
     surv_valid = rng.random((B, S)) >= surv_invalid_frac
-    win_k = rotate_f64(rng.standard_normal((B, Hkv, W, D)), np.maximum(win_pos, 0)[:, None, :], inv)
+    win_k = rope_f64(rng.standard_normal((B, Hkv, W, D)), np.maximum(win_pos, 0)[:, None, :], inv)
     q_pos_win = np.tile(np.arange(t0, t0 + C, dtype=np.int32), (B, 1))
     q_pos_surv = (N_SINK + S + q_pos_win - w0).astype(np.int32)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
