@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from models.llama import Llama, split_apply
 from rsqr_jax import policy as P
-from rsqr_jax.cache import cached_positions, init_cache
+from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.update import attend_layer, commit, plan_step, step
 from rsqr_jax.testing.oracle import reference_token_sets, stream_logits_f64

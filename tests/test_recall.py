@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-import jax
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -204,3 +204,27 @@ def test_recall_needs_a_raw_survivor_mode_a_cold_store_and_a_cap():
         spec_for([P.rsqr(8, 2, 3, 3)], 32, cold=30, page=4)
     with pytest.raises(ValueError, match="exceeds the cold store's 6 pages"):
         spec_for([P.rsqr(8, 2, 3, 3)], 32, cold=8, page=4, max_pages=7)
+
+
+def test_fact_probe_runs_every_arm_deterministically(tmp_path):
+    """The acceptance experiment's mechanics on the tiny model (its answers are noise; the real model's
+    figures are in docs/recall_tier.md)."""
+    from rsqr_jax.experiments import fact_probe as F
+    from rsqr_jax.testing.tokenizer import ByteTokenizer
+
+    text = tmp_path / "filler.txt"
+    text.write_text(" ".join(np.random.default_rng(_seed("probe")).choice(["ash", "elm", "oak", "yew"], 300)))
+    cfg = F.FactConfig(str(text), trials=2, n_filler=60, window=16, n_sink=2, delta=4, max_survivors=4,
+                       recall_pages=2, cold_capacity=64, page_size=4, prefill_chunk=8, gen_tokens=4)
+    apply_fn, params = _model(0)
+    tok = ByteTokenizer(CFG.vocab_size)
+    a = F.run(cfg, apply_fn, params, CFG, tok, show_progress=False)
+    assert [r["arm"] for r in a["records"]] == list(F.ARMS) * 2
+    assert all(r["prompt_tokens"] > cfg.window + cfg.n_filler // 2 for r in a["records"])
+    for s in a["summary"]:
+        assert s["trials"] == 2 and 0 <= s["wilson_lo"] <= s["acc"] <= s["wilson_hi"] <= 1
+    assert a == F.run(cfg, apply_fn, params, CFG, tok, show_progress=False)
+    F.write(a, tmp_path / "out")
+    assert "| rsqr_recall |" in (tmp_path / "out" / "fact_probe.md").read_text()
+    with pytest.raises(F.ConfigError, match="unknown arm"):
+        F.FactConfig(str(text), arms=("sinkcache",))

@@ -11,3 +11,6 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [b % self.vocab_size for b in text.encode("utf-8")]
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("latin-1")

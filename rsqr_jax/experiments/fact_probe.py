@@ -1,0 +1,104 @@
+"""One fact planted far before its question, through a streaming session (what `decode.py --prompt-file`
+does): "The secret number of NAME is NUM." + n_filler tokens of a text + " The secret number of NAME is",
+prefilled in chunks and answered greedily. Correct iff NUM appears in the answer. Arms: full, rsqr, and
+rsqr with the recall tier (DESIGN section 3b) - the acceptance check of the recall issue."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rsqr_jax.experiments.common import ConfigError, progress, read_text, status, wilson, write_json_atomic
+
+NAMES = ("Ada", "Boris", "Chloe", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kira", "Lars")
+ARMS = ("full", "rsqr", "rsqr_recall")
+
+
+@dataclasses.dataclass(frozen=True)
+class FactConfig:
+    filler: str
+    trials: int = 20
+    n_filler: int = 1200
+    arms: tuple[str, ...] = ARMS
+    window: int = 256
+    n_sink: int = 4
+    delta: int = 8
+    max_survivors: int = 64
+    recall_pages: int = 4
+    cold_capacity: int = 4096
+    page_size: int = 16
+    prefill_chunk: int = 64
+    gen_tokens: int = 12
+    seed: int = 7
+
+    def __post_init__(self):
+        if self.trials < 1 or self.n_filler < 1:
+            raise ConfigError("--trials and --filler-tokens must be >= 1")
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad:
+            raise ConfigError(f"unknown arm {bad[0]!r}: choose from {', '.join(ARMS)}")
+
+    def policy(self, arm: str):
+        from rsqr_jax import policy as P
+
+        if arm == "full":
+            return P.full()
+        return P.rsqr(self.window, self.n_sink, self.delta, self.max_survivors,
+                      recall_pages=self.recall_pages if arm == "rsqr_recall" else 0)
+
+
+def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_progress: bool = True) -> dict:
+    """Every trial under every arm; returns the result dict (records, summary with Wilson intervals)."""
+    from rsqr_jax.session import Session
+    from rsqr_jax.spec import CacheSpec
+
+    ids = tokenizer.encode(read_text(cfg.filler), add_special_tokens=False)
+    if len(ids) < cfg.n_filler + 2:
+        raise ConfigError(f"{cfg.filler} has {len(ids)} tokens; a trial needs {cfg.n_filler}")
+    rng = np.random.default_rng(cfg.seed)
+    status(f"fact_probe: seed {cfg.seed}, {cfg.trials} trials, {cfg.n_filler} filler tokens of {cfg.filler}")
+    dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim, max_chunk=cfg.prefill_chunk)
+    records = []
+    bar = progress(cfg.trials * len(cfg.arms), "fact_probe", enabled=show_progress, unit="run")
+    for trial in range(cfg.trials):
+        name, num = NAMES[trial % len(NAMES)], str(rng.integers(1_000_000, 10_000_000))
+        off = int(rng.integers(0, len(ids) - cfg.n_filler - 1))
+        prompt = (tokenizer.encode(f"The secret number of {name} is {num}.", add_special_tokens=False)
+                  + ids[off:off + cfg.n_filler]
+                  + tokenizer.encode(f" The secret number of {name} is", add_special_tokens=False))
+        for arm in cfg.arms:
+            pol = cfg.policy(arm)
+            cold = dict(cold_capacity=cfg.cold_capacity, page_size=cfg.page_size) if arm == "rsqr_recall" else {}
+            spec = CacheSpec.for_policies(pol, max_len=len(prompt) + max(16, cfg.gen_tokens), **cold, **dims)
+            s = Session(apply_fn, params, spec, pol, prefill_chunk=cfg.prefill_chunk)
+            s.feed(prompt)
+            answer = tokenizer.decode(s.generate(cfg.gen_tokens))
+            records.append({"trial": trial, "arm": arm, "number": num, "prompt_tokens": len(prompt),
+                            "answer": answer, "correct": num in answer})
+            bar.update(1)
+    bar.close()
+    summary = []
+    for arm in cfg.arms:
+        k = sum(r["correct"] for r in records if r["arm"] == arm)
+        lo, hi = wilson(k, cfg.trials)
+        summary.append({"arm": arm, "policy": cfg.policy(arm).name, "correct": k, "trials": cfg.trials,
+                        "acc": k / cfg.trials, "wilson_lo": lo, "wilson_hi": hi})
+    return {"config": dataclasses.asdict(cfg), "summary": summary, "records": records}
+
+
+def markdown(result: dict) -> str:
+    rows = ["| arm | policy | correct | accuracy [Wilson 95%] |", "|---|---|---|---|"]
+    for s in result["summary"]:
+        rows.append(f"| {s['arm']} | `{s['policy']}` | {s['correct']}/{s['trials']} | "
+                    f"{100 * s['acc']:.0f}% [{100 * s['wilson_lo']:.0f}-{100 * s['wilson_hi']:.0f}] |")
+    return "\n".join(rows) + "\n"
+
+
+def write(result: dict, out_dir) -> None:
+    import pathlib
+
+    out = pathlib.Path(out_dir)
+    write_json_atomic(out / "fact_probe.json", result)
+    (out / "fact_probe.md").write_text(markdown(result))

@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""A fact planted ~1200 tokens before its question: full vs rsqr vs rsqr + recall, greedy (issue 13's check).
+
+    python scripts/exp_fact_probe.py --filler /usr/share/common-licenses/GPL-3 --trials 20 --out runs/fact_gpl
+"""
+
+from __future__ import annotations
+
+import json
+
+from _common import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load_model_from_args, run_main
+
+
+def main() -> int:
+    from rsqr_jax.experiments import fact_probe as F
+
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text (default: Frankenstein)")
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--filler-tokens", type=int, default=1200)
+    p.add_argument("--arms", default=",".join(F.ARMS))
+    p.add_argument("--recall-pages", type=int, default=4)
+    p.add_argument("--cold-capacity", type=int, default=4096)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="2 trials, 300 filler tokens")
+    p.add_argument("--out", default=None, metavar="DIR", help="write DIR/fact_probe.json and .md")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--no-progress", action="store_true")
+    add_model_args(p)
+    args = p.parse_args()
+    check_model_args(args)
+    cfg = F.FactConfig(args.filler, trials=2 if args.quick else args.trials,
+                       n_filler=300 if args.quick else args.filler_tokens, arms=tuple(args.arms.split(",")),
+                       recall_pages=args.recall_pages, cold_capacity=args.cold_capacity, page_size=args.page_size,
+                       seed=args.seed)
+    F.read_text(cfg.filler)  # fail before loading the model
+    loaded, apply_fn, params = load_model_from_args(args)
+    result = F.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer, show_progress=not args.no_progress)
+    if args.out:
+        F.write(result, args.out)
+    print(json.dumps(result) if args.json else F.markdown(result), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
