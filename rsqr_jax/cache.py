@@ -15,7 +15,8 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   tier's cold store (DESIGN section 3b; Nc = CacheSpec.cold_slots, 0 without one). Every non-sink token
   is written raw on arrival at ring slot (r - N) mod Nc, so the ring is made of pages of P consecutive
   tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
-  (the page summary that recall scores), cold_pos each slot's global position (-1 = empty). A token is
+  (the page summary that recall scores), cold_lo / cold_hi their per-channel minimum and maximum (only
+  for CacheSpec.page_score "quest"), cold_pos each slot's global position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
 
 Positions are shared by all layers and all batch rows (every row advances in lockstep), so they are
@@ -70,6 +71,8 @@ class KVCache:
     cold_k: jax.Array
     cold_v: jax.Array
     cold_sum: jax.Array
+    cold_lo: jax.Array
+    cold_hi: jax.Array
     cold_pos: jax.Array
     t: jax.Array
     start: jax.Array
@@ -102,6 +105,8 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         surv_pos=neg(S), surv_rank=neg(S), surv_stored_rot=jnp.zeros((S,), jnp.int32), surv_copy_pos=neg(Sp),
         cold_k=jnp.zeros((L, B, H, Nc, D), dt), cold_v=jnp.zeros((L, B, H, Nc, D), dt),
         cold_sum=jnp.zeros((L, B, H, Nc // spec.page_size, D), jnp.float32), cold_pos=neg(Nc),
+        cold_lo=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
+        cold_hi=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
 

@@ -12,6 +12,12 @@ from rsqr_jax import policy as P
 from rsqr_jax.policy import Policy, PolicyError
 
 
+# How recall ranks cold pages against a layer's queries (both on keys rotated at their global positions):
+# "mean": the query against the page's mean key; "quest": Quest's upper bound sum_d max(q_d lo_d, q_d hi_d)
+# over the page's per-channel key minimum and maximum.
+PAGE_SCORES = ("mean", "quest")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """Static capacities (array shapes) of a cache; hashable, so it can be a jit static argument.
@@ -23,7 +29,7 @@ class CacheSpec:
     cold_capacity / page_size / max_recall_pages: the recall tier (DESIGN section 3b): a per-layer cold
     store that keeps at least the last cold_capacity evicted non-sink tokens (raw K/V, in pages of
     page_size consecutive tokens), from which a policy may recall up to max_recall_pages pages per layer
-    and step (0: no cold store).
+    and step (0: no cold store). page_score: the rule recall ranks pages by (PAGE_SCORES).
     """
 
     num_layers: int
@@ -39,6 +45,7 @@ class CacheSpec:
     cold_capacity: int = 0
     page_size: int = 16
     max_recall_pages: int = 0
+    page_score: str = "mean"
 
     def __post_init__(self):
         for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "win_capacity", "surv_capacity", "max_chunk",
@@ -50,6 +57,8 @@ class CacheSpec:
         if self.head_dim % 2:
             raise ValueError(f"CacheSpec.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         float_dtype_name(self.dtype)
+        if self.page_score not in PAGE_SCORES:
+            raise ValueError(f"unknown page score {self.page_score!r}: choose one of {', '.join(PAGE_SCORES)}")
         if self.cold_capacity % self.page_size:
             raise ValueError(f"the cold capacity {self.cold_capacity} is not a multiple of the page size "
                              f"{self.page_size}")
@@ -76,7 +85,8 @@ class CacheSpec:
     @classmethod
     def for_policies(cls, policies: Policy | list[Policy], *, num_layers: int, num_kv_heads: int, head_dim: int,
                      batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0,
-                     cold_capacity: int = 0, page_size: int = 16, max_recall_pages: int | None = None) -> "CacheSpec":
+                     cold_capacity: int = 0, page_size: int = 16, max_recall_pages: int | None = None,
+                     page_score: str = "mean") -> "CacheSpec":
         """The smallest spec that holds every given policy (a sweep batch gets the union).
 
         max_len bounds the stream for `full` (its window must hold everything) and nothing else.
@@ -93,7 +103,7 @@ class CacheSpec:
         if max_recall_pages is None:
             max_recall_pages = max(h["recall_pages"] for h in hosts)
         return cls(num_layers, batch, num_kv_heads, head_dim, win, surv, float_dtype_name(dtype), pre, tok, max_chunk,
-                   cold_capacity, page_size, max_recall_pages)
+                   cold_capacity, page_size, max_recall_pages, page_score)
 
     @property
     def entry_bytes(self) -> int:
@@ -117,7 +127,8 @@ class CacheSpec:
             "precompute": self.surv_capacity * key_bytes if self.precompute else 0,
             "token_ids": (self.win_capacity + self.surv_capacity) * self.batch * 4 if self.token_ids else 0,
             "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1) * 4,
-            "cold_store": self.cold_slots * (self.entry_bytes + 4) + (self.cold_slots // self.page_size) * summary_bytes,
+            "cold_store": self.cold_slots * (self.entry_bytes + 4)
+            + (self.cold_slots // self.page_size) * summary_bytes * (3 if self.page_score == "quest" else 1),
         }
         out["total"] = sum(out.values())
         # Working memory of the recalled tokens of one layer (gathered per step; not part of the stored cache).

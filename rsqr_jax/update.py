@@ -350,34 +350,48 @@ def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Arra
 
 
 def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> KVCache:
-    """The chunk's raw K/V into the cold ring, and each page's summary: the sum of its keys rotated at their
-    global positions (only the summary is rotated; the stored key stays raw)."""
+    """The chunk's raw K/V into the cold ring, and each page's summary of its keys rotated at their global
+    positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
+    the stored key stays raw. A restarted page's summary starts afresh."""
     wr = plan.writes
     at = (layer, slice(None), slice(None), wr.cold_slot_C)
     cold_k = _set(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
     cold_v = _set(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
-    n_pages = cache.cold_sum.shape[3]
     rot_BxHxCxD = _rotate_BxHxNxD(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
-    onehot_CxPg = (wr.cold_page_C[:, None] == jnp.arange(n_pages)[None]).astype(jnp.float32)
-    added = jnp.einsum("bhcd,cp->bhpd", rot_BxHxCxD, onehot_CxPg, precision=jax.lax.Precision.HIGHEST)
-    old = cache.cold_sum[layer]
-    cold_sum = cache.cold_sum.at[layer].set(jnp.where(wr.cold_restart_Pg[:, None], 0.0, old) + added)
-    return cache.replace(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
+    restart = wr.cold_restart_Pg[:, None]
+    page = (slice(None), slice(None), wr.cold_page_C)  # out-of-range pages (tokens not stored) are dropped
+
+    def summarize(buf, reset, combine):
+        fresh = jnp.where(restart, reset, buf[layer])
+        return buf.at[layer].set(getattr(fresh.at[page], combine)(rot_BxHxCxD, mode="drop"))
+
+    out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=summarize(cache.cold_sum, 0.0, "add"))
+    if cache.cold_lo.shape[3]:
+        out.update(cold_lo=summarize(cache.cold_lo, jnp.inf, "min"), cold_hi=summarize(cache.cold_hi, -jnp.inf, "max"))
+    return cache.replace(**out)
 
 
-def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq) -> jax.Array:
+def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
+                hi_BxHkvxPgxD=None) -> jax.Array:
     """Recall score of every cold page for this layer's queries, [B, Pg] (-inf for pages with nothing
-    recallable): the query rotated at its global position against the mean of the page's keys rotated at
-    theirs, maximised over the chunk's real rows, the query heads of a group and the KV heads."""
+    recallable), maximised over the chunk's real rows, the query heads of a group and the KV heads. The
+    query is rotated at its global position; a page is summarized by its keys rotated at theirs: the mean
+    key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k)."""
     B, C, Hq, D = q_BxCxHqxD.shape
     Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
     Pg = cold_pos_Nc.shape[0] // n_pages
     cos, sin = rope_cos_sin(recall.q_global_C, inv_freq)  # [C, D/2]
     q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), cos[:, None], sin[:, None])
+    q_BxCxKxGxD = q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
     count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
-    mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
-    s = jnp.einsum("bckgd,bkpd->bckgp", q_rot.reshape(B, C, Hkv, Hq // Hkv, D), mean,
-                   precision=jax.lax.Precision.HIGHEST)
+    if lo_BxHkvxPgxD is None:
+        mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
+        s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxKxGxD, mean, precision=jax.lax.Precision.HIGHEST)
+    else:
+        filled = (count_Pg > 0)[:, None]
+        lo, hi = jnp.where(filled, lo_BxHkvxPgxD, 0.0), jnp.where(filled, hi_BxHkvxPgxD, 0.0)
+        qx = q_BxCxKxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Pg, D]
+        s = jnp.sum(jnp.maximum(qx * lo[:, None, :, None], qx * hi[:, None, :, None]), axis=-1)
     s = jnp.where(recall.q_real_C[None, :, None, None, None], s, -jnp.inf)
     s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
     valid_Pg = jnp.any(recall.token_valid_Nc.reshape(n_pages, Pg), axis=1)
@@ -403,7 +417,8 @@ def recall_segment(layer, q_BxCxHqxD, cache: KVCache, plan: StepPlan, inv_freq):
     Nc, n_pages = cache.cold_pos.shape[0], cache.cold_sum.shape[3]
     Pg, K = Nc // n_pages, rc.max_pages
     cold_pos = plan.next.cold_pos
-    idx, active = choose_pages(page_scores(q_BxCxHqxD, cache.cold_sum[layer], cold_pos, rc, inv_freq),
+    quest = (cache.cold_lo[layer], cache.cold_hi[layer]) if cache.cold_lo.shape[3] else (None, None)
+    idx, active = choose_pages(page_scores(q_BxCxHqxD, cache.cold_sum[layer], cold_pos, rc, inv_freq, *quest),
                                cold_pos, rc.k_pages, K)
     slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, K * Pg)
     gpos = cold_pos[slots_BxR]

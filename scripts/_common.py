@@ -40,6 +40,8 @@ def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr")
     g.add_argument("--cold-capacity", type=int, default=4096,
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
+    g.add_argument("--page-score", default="mean", help="how pages are ranked: mean (the query against the page's "
+                   "mean key; measured better) or quest (Quest's per-channel bound)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -71,9 +73,12 @@ def cold_store_args(args) -> dict:
     if args.cold_capacity < args.page_size or args.cold_capacity % args.page_size:
         raise UsageError(f"--cold-capacity {args.cold_capacity} must be a positive multiple of --page-size "
                          f"{args.page_size}")
+    if args.page_score not in ("mean", "quest"):
+        raise UsageError(f"--page-score must be mean or quest, got {args.page_score!r}")
     if k > args.cold_capacity // args.page_size:
         raise UsageError(f"--recall-pages {k} exceeds the cold store's {args.cold_capacity // args.page_size} pages")
-    return {"cold_capacity": args.cold_capacity, "page_size": args.page_size, "max_recall_pages": k}
+    return {"cold_capacity": args.cold_capacity, "page_size": args.page_size, "max_recall_pages": k,
+            "page_score": args.page_score}
 
 
 def check_model_args(args) -> None:

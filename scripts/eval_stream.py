@@ -37,7 +37,7 @@ def main() -> int:
     cold_store_args(args)  # one-line errors for impossible recall flags, before anything loads
     config = StreamConfig(args.text, policy_from_args(args), args.policy, tokens=args.tokens, chunk=args.chunk,
                           segment=args.segment, bucket=args.bucket, cold_capacity=args.cold_capacity,
-                          page_size=args.page_size)
+                          page_size=args.page_size, page_score=args.page_score)
     check_text(args.text)  # fail before loading the model
     loaded, apply_fn, params = load_model_from_args(args)
     model = Model(apply_fn, params, loaded.config, loaded.tokenizer, args.dtype, loaded.path)

@@ -22,6 +22,7 @@ def main() -> int:
     p.add_argument("--recall-pages", type=int, default=4)
     p.add_argument("--cold-capacity", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-score", default="mean", help="mean or quest")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="2 trials, 300 filler tokens")
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/fact_probe.json and .md")
@@ -33,7 +34,7 @@ def main() -> int:
     cfg = F.FactConfig(args.filler, trials=2 if args.quick else args.trials,
                        n_filler=300 if args.quick else args.filler_tokens, arms=tuple(args.arms.split(",")),
                        recall_pages=args.recall_pages, cold_capacity=args.cold_capacity, page_size=args.page_size,
-                       seed=args.seed)
+                       page_score=args.page_score, seed=args.seed)
     F.read_text(cfg.filler)  # fail before loading the model
     loaded, apply_fn, params = load_model_from_args(args)
     result = F.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer, show_progress=not args.no_progress)

@@ -228,3 +228,55 @@ def test_fact_probe_runs_every_arm_deterministically(tmp_path):
     assert "| rsqr_recall |" in (tmp_path / "out" / "fact_probe.md").read_text()
     with pytest.raises(F.ConfigError, match="unknown arm"):
         F.FactConfig(str(text), arms=("sinkcache",))
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_page_summaries_match_the_stored_raw_keys(chunk):
+    """cold_sum / cold_lo / cold_hi of every page = the sum / min / max of its stored raw keys rotated at
+    their global positions (restarted pages forget their remnants), after a chunked stream."""
+    from rsqr_jax.testing.oracle import rope_f64
+
+    T = 45
+    tokens = np.random.default_rng(_seed("summaries")).integers(0, CFG.vocab_size, size=(1, T))
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=1)
+    spec = rj.CacheSpec.for_policies(pol, max_chunk=chunk, cold_capacity=12, page_size=4, page_score="quest", **DIMS)
+    apply_fn, params = _model(0)
+    dec = rj.Decoder(apply_fn, spec)
+    cache = dec.init_cache()
+    for a in range(0, T - T % chunk, chunk):
+        cache = dec.advance(params, tokens[:, a:a + chunk], cache, pol)
+    pos = np.asarray(cache.cold_pos)
+    n_pages = pos.size // 4
+    assert (pos >= 0).sum() >= 12 and T > spec.cold_slots  # the ring wrapped
+    rot = rope_f64(np.asarray(cache.cold_k[:, 0]), np.maximum(pos, 0)[None, None, :], np.asarray(CFG.inv_freq))
+    for p in range(n_pages):
+        sl = slice(4 * p, 4 * p + 4)
+        held = pos[sl] >= 0
+        if not held.any():
+            continue
+        r = rot[:, :, sl][:, :, held]  # [L, Hkv, n, D]
+        np.testing.assert_allclose(np.asarray(cache.cold_sum[:, 0, :, p]), r.sum(2), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(cache.cold_lo[:, 0, :, p]), r.min(2), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(cache.cold_hi[:, 0, :, p]), r.max(2), rtol=1e-4, atol=1e-4)
+
+
+def test_quest_bound_matches_numpy_and_bounds_every_key():
+    rng = np.random.default_rng(_seed("quest"))
+    B, C, Hq, Hkv, D, n_pages, Pg = 1, 2, 4, 2, 8, 5, 4
+    q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
+    keys = rng.normal(size=(B, Hkv, n_pages, Pg, D)).astype(np.float32)  # already rotated at their positions
+    lo, hi, total = keys.min(3), keys.max(3), keys.sum(3)
+    cold_pos = np.arange(n_pages * Pg, dtype=np.int32)
+    inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    qg = np.array([50, 51], np.int32)
+    rc = Recall(jnp.int32(2), jnp.ones(n_pages * Pg, bool), jnp.zeros((1,), jnp.int32), jnp.asarray(qg),
+                jnp.ones(C, bool), jnp.asarray(True), 2)
+    got = np.asarray(page_scores(jnp.asarray(q), jnp.asarray(total), jnp.asarray(cold_pos), rc, jnp.asarray(inv),
+                                 jnp.asarray(lo), jnp.asarray(hi)))
+    ang = qg[:, None].astype(np.float64) * inv[None]
+    c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    qr = np.concatenate([q[..., :4] * c - q[..., 4:] * s, q[..., 4:] * c + q[..., :4] * s], -1).reshape(B, C, Hkv, 2, D)
+    bound = np.maximum(qr[:, :, :, :, None] * lo[:, None, :, None], qr[:, :, :, :, None] * hi[:, None, :, None]).sum(-1)
+    np.testing.assert_allclose(got, bound.max(axis=(1, 2, 3)), rtol=1e-5, atol=1e-5)
+    exact = np.einsum("bckgd,bkpnd->bckgpn", qr, keys).max(axis=(1, 2, 3, 5))  # the best key of each page
+    assert (got >= exact - 1e-5).all()  # Quest's score is an upper bound

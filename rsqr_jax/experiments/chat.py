@@ -153,8 +153,8 @@ def saved_settings(header: dict) -> dict:
             "prefill_chunk": header["prefill_chunk"], "temperature": header["temperature"],
             "top_p": header["top_p"], "seed": header["seed"], "dtype": cache_dtype, "cache_dtype": cache_dtype,
             "weights_dtype": header["identity"].get("dtype", cache_dtype),
-            **({"cold_capacity": header["spec"]["cold_capacity"], "page_size": header["spec"]["page_size"]}
-               if header["spec"].get("cold_capacity") else {}),
+            **({"cold_capacity": header["spec"]["cold_capacity"], "page_size": header["spec"]["page_size"],
+                "page_score": header["spec"]["page_score"]} if header["spec"].get("cold_capacity") else {}),
             "chat": bool(header["extra"].get("chat", False))}
 
 

@@ -28,6 +28,7 @@ class FactConfig:
     recall_pages: int = 4
     cold_capacity: int = 4096
     page_size: int = 16
+    page_score: str = "mean"
     prefill_chunk: int = 64
     gen_tokens: int = 12
     seed: int = 7
@@ -35,6 +36,8 @@ class FactConfig:
     def __post_init__(self):
         if self.trials < 1 or self.n_filler < 1:
             raise ConfigError("--trials and --filler-tokens must be >= 1")
+        if self.page_score not in ("mean", "quest"):
+            raise ConfigError(f"--page-score must be mean or quest, got {self.page_score!r}")
         bad = [a for a in self.arms if a not in ARMS]
         if bad:
             raise ConfigError(f"unknown arm {bad[0]!r}: choose from {', '.join(ARMS)}")
@@ -70,7 +73,8 @@ def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_prog
                   + tokenizer.encode(f" The secret number of {name} is", add_special_tokens=False))
         for arm in cfg.arms:
             pol = cfg.policy(arm)
-            cold = dict(cold_capacity=cfg.cold_capacity, page_size=cfg.page_size) if arm == "rsqr_recall" else {}
+            cold = (dict(cold_capacity=cfg.cold_capacity, page_size=cfg.page_size, page_score=cfg.page_score)
+                    if arm == "rsqr_recall" else {})
             spec = CacheSpec.for_policies(pol, max_len=len(prompt) + max(16, cfg.gen_tokens), **cold, **dims)
             s = Session(apply_fn, params, spec, pol, prefill_chunk=cfg.prefill_chunk)
             s.feed(prompt)

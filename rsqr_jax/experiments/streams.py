@@ -32,12 +32,12 @@ class Model(NamedTuple):
 
 
 def cache_spec(model: Model, policies, *, chunk: int, max_len: int, cold_capacity: int = 0,
-               page_size: int = 16) -> CacheSpec:
+               page_size: int = 16, page_score: str = "mean") -> CacheSpec:
     """The smallest cache spec of `model` that holds every policy of `policies` (one or a list); a cold
     store of cold_capacity tokens (recall tier) when a policy recalls."""
     cfg = model.config
     recalls = any(h["recall_pages"] for h in host_policies(policies))
-    cold = dict(cold_capacity=cold_capacity, page_size=page_size) if recalls else {}
+    cold = dict(cold_capacity=cold_capacity, page_size=page_size, page_score=page_score) if recalls else {}
     return CacheSpec.for_policies(policies, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, dtype=model.dtype, max_chunk=chunk, max_len=max_len, **cold)
 
@@ -153,6 +153,7 @@ class StreamConfig:
     bucket: int = 1000
     cold_capacity: int = 4096
     page_size: int = 16
+    page_score: str = "mean"
 
     def __post_init__(self):
         if self.tokens < 2:
@@ -199,7 +200,7 @@ def run_stream(config: StreamConfig, model: Model, *, check_memory: Callable[[in
     ids_T = read_tokens(model.tokenizer, config.text, config.tokens)
     policy = config.policy
     spec = cache_spec(model, policy, chunk=config.chunk, max_len=config.tokens, cold_capacity=config.cold_capacity,
-                      page_size=config.page_size)
+                      page_size=config.page_size, page_score=config.page_score)
     cache_bytes = spec.bytes_by_part(policy)
     if check_memory is not None:
         check_memory(cache_bytes["total"])
