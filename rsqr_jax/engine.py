@@ -217,25 +217,28 @@ def _generate(dec: Decoder, params, cache, policy, pending_B, rng, temperature, 
     K = dec.gen_block
     B = pending_B.shape[0]
     n_steps = jnp.minimum(n_steps, K)
+    is_eos = lambda tok: jnp.isin(tok, eos_E)  # noqa: E731
 
+    # Branch-free body: the loop stops *before* a step whose pending tokens are all end-of-sequence (or
+    # done), so an end-of-sequence token is never fed; it is emitted after the loop.
     def cond(carry):
-        i, _, done, *_ = carry
-        return (i < n_steps) & ~jnp.all(done)
+        i, pending, done, *_ = carry
+        return (i < n_steps) & ~jnp.all(done | is_eos(pending))
 
     def body(carry):
         i, pending, done, cache, rng, out = carry
         out = out.at[:, i].set(jnp.where(done, -1, pending))
-        done = done | jnp.isin(pending, eos_E)
-
-        def advance(args):
-            cache, rng = args
-            return _sample_step(dec, params, pending[:, None], cache, policy, jnp.int32(1), rng, temperature, top_p)
-
-        nxt, cache, rng = jax.lax.cond(jnp.all(done), lambda a: (pending, *a), advance, (cache, rng))
+        done = done | is_eos(pending)
+        nxt, cache, rng = _sample_step(dec, params, pending[:, None], cache, policy, jnp.int32(1), rng, temperature,
+                                       top_p)
         return i + 1, jnp.where(done, pending, nxt), done, cache, rng, out
 
     init = (jnp.int32(0), pending_B, jnp.zeros((B,), bool), cache, rng, jnp.full((B, K), -1, jnp.int32))
     i, pending, done, cache, rng, out = jax.lax.while_loop(cond, body, init)
+    last = (i < n_steps) & ~done & is_eos(pending)  # rows that stopped on an end-of-sequence token: emit it
+    out = out.at[:, jnp.minimum(i, K - 1)].set(jnp.where(last, pending, out[:, jnp.minimum(i, K - 1)]))
+    i = i + jnp.any(last).astype(jnp.int32)
+    done = done | last
     return Generated(out, i, pending, done, dec._pin(cache)[0], rng)
 
 
