@@ -249,3 +249,9 @@ def is_flagged(g: jax.Array, n_sink: jax.Array, delta: jax.Array) -> jax.Array:
     g is the stream-relative position (global position - cache.start)."""
     d = jnp.maximum(delta, 1)
     return (delta > 0) & (g >= n_sink) & ((g - n_sink) % d == d - 1)
+
+
+def order_index(mask: jax.Array, key: jax.Array) -> jax.Array:
+    """0-based rank of each masked entry among the masked entries, ordered by key (O(S log S))."""
+    order = jnp.argsort(jnp.where(mask, key, jnp.iinfo(jnp.int32).max), stable=True)
+    return jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=key.dtype))

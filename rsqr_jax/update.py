@@ -11,7 +11,6 @@ own branch (under `vmap` a cond becomes a select: the price of a mixed sweep).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -21,7 +20,8 @@ from pallas_kernels.rope import rope_cos_sin, rotate_half_split
 from rsqr_jax import attention
 from rsqr_jax import policy as P
 from rsqr_jax.cache import KV_FIELDS, KVCache, init_cache
-from rsqr_jax.policy import Policy, is_flagged, mode_traits, window_start
+from rsqr_jax.policy import Policy, is_flagged, mode_traits, order_index, window_start
+from rsqr_jax.recall import Recall, extend_raw_segment, recalled_tokens
 from rsqr_jax.spec import CacheSpec
 
 ApplyFn = Callable  # (params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache)
@@ -85,25 +85,6 @@ class Upkeep:
     q_rank_C: jax.Array
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages"],
-                   data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel"])
-@dataclasses.dataclass(frozen=True)
-class Recall:
-    """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
-    token_valid_Nc: cold slots holding a token that has left the window; surv_gpos_S: the survivors'
-    global positions (for deduplication and ranks); q_global_C / q_real_C: the chunk's positions and
-    which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
-    max_pages (static): pages gathered per layer (0 = no recall in this compilation)."""
-
-    k_pages: jax.Array
-    token_valid_Nc: jax.Array
-    surv_gpos_S: jax.Array
-    q_global_C: jax.Array
-    q_real_C: jax.Array
-    in_kernel: jax.Array
-    max_pages: int = 0
-
-
 @_dataclass
 class Positions:
     """The cache's position fields after the step (committed by `commit`)."""
@@ -128,12 +109,6 @@ class StepPlan:
     upkeep: Upkeep
     recall: Recall
     next: Positions
-
-
-def order_index(mask: jax.Array, key: jax.Array) -> jax.Array:
-    """0-based rank of each masked entry among the masked entries, ordered by key (O(S log S))."""
-    order = jnp.argsort(jnp.where(mask, key, jnp.iinfo(jnp.int32).max), stable=True)
-    return jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=key.dtype))
 
 
 def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
@@ -371,64 +346,6 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     return cache.replace(**out)
 
 
-def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
-                hi_BxHkvxPgxD=None) -> jax.Array:
-    """Recall score of every cold page for this layer's queries, [B, Pg] (-inf for pages with nothing
-    recallable), maximised over the chunk's real rows, the query heads of a group and the KV heads. The
-    query is rotated at its global position; a page is summarized by its keys rotated at theirs: the mean
-    key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k)."""
-    B, C, Hq, D = q_BxCxHqxD.shape
-    Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
-    Pg = cold_pos_Nc.shape[0] // n_pages
-    cos, sin = rope_cos_sin(recall.q_global_C, inv_freq)  # [C, D/2]
-    q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), cos[:, None], sin[:, None])
-    q_BxCxKxGxD = q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
-    count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
-    if lo_BxHkvxPgxD is None:
-        mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
-        s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxKxGxD, mean, precision=jax.lax.Precision.HIGHEST)
-    else:
-        filled = (count_Pg > 0)[:, None]
-        lo, hi = jnp.where(filled, lo_BxHkvxPgxD, 0.0), jnp.where(filled, hi_BxHkvxPgxD, 0.0)
-        qx = q_BxCxKxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Pg, D]
-        s = jnp.sum(jnp.maximum(qx * lo[:, None, :, None], qx * hi[:, None, :, None]), axis=-1)
-    s = jnp.where(recall.q_real_C[None, :, None, None, None], s, -jnp.inf)
-    s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
-    valid_Pg = jnp.any(recall.token_valid_Nc.reshape(n_pages, Pg), axis=1)
-    return jnp.where(valid_Pg[None], s, -jnp.inf)
-
-
-def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k_pages pages per row ([B, max_pages] indices and an active mask); ties go to the more recent page."""
-    n_pages = scores_BxPg.shape[1]
-    newest_Pg = jnp.max(cold_pos_Nc.reshape(n_pages, -1), axis=1)
-    order = jnp.lexsort((jnp.broadcast_to(-newest_Pg, scores_BxPg.shape), -scores_BxPg), axis=-1)
-    idx = order[:, :max_pages]
-    chosen = jnp.take_along_axis(scores_BxPg, idx, axis=1)
-    active = (jnp.arange(max_pages)[None] < k_pages) & (chosen > -jnp.inf)
-    return idx, active
-
-
-def recall_segment(layer, q_BxCxHqxD, cache: KVCache, plan: StepPlan, inv_freq):
-    """This layer's recalled tokens: raw K/V [B, Hkv, R, D], global positions [B, R] and validity [B, R]
-    (R = max_pages * page size; a recalled token that is also an attended survivor counts once)."""
-    rc = plan.recall
-    B = q_BxCxHqxD.shape[0]
-    Nc, n_pages = cache.cold_pos.shape[0], cache.cold_sum.shape[3]
-    Pg, K = Nc // n_pages, rc.max_pages
-    cold_pos = plan.next.cold_pos
-    quest = (cache.cold_lo[layer], cache.cold_hi[layer]) if cache.cold_lo.shape[3] else (None, None)
-    idx, active = choose_pages(page_scores(q_BxCxHqxD, cache.cold_sum[layer], cold_pos, rc, inv_freq, *quest),
-                               cold_pos, rc.k_pages, K)
-    slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, K * Pg)
-    gpos = cold_pos[slots_BxR]
-    surv_att = jnp.where(plan.kernel.surv_valid_S, rc.surv_gpos_S, -2)
-    dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)
-    valid = jnp.repeat(active, Pg, axis=1) & rc.token_valid_Nc[slots_BxR] & ~dup
-    take = lambda buf: jnp.take_along_axis(_get(buf, layer), slots_BxR[:, None, :, None], axis=2)  # noqa: E731
-    return take(cache.cold_k), take(cache.cold_v), gpos, valid
-
-
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
                  cache: KVCache, plan: StepPlan, inv_freq, *, kernel: str = "xla") -> tuple[jax.Array, KVCache]:
     """What a model layer calls: update this layer's cache (`update_layer`), then attend over both segments.
@@ -441,17 +358,12 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     B = q_BxCxHqxD.shape[0]
     bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
     surv_rot_pos, surv_valid, q_pos_surv = bc(ka.surv_rot_pos_S), bc(ka.surv_valid_S), bc(ka.q_pos_surv_C)
-    if plan.recall.max_pages:
-        # The raw segment becomes sinks + survivors + recalled, ordered by global position; each key is
-        # rotated at its rank and the survivor-segment query sits right after them (DESIGN section 3b).
-        rec_k, rec_v, rec_gpos, rec_valid = recall_segment(layer, q_BxCxHqxD, cache, plan, inv_freq)
-        surv_k, surv_v = jnp.concatenate([surv_k, rec_k], axis=2), jnp.concatenate([surv_v, rec_v], axis=2)
-        gpos = jnp.concatenate([bc(plan.recall.surv_gpos_S), rec_gpos], axis=1)
-        surv_valid = jnp.concatenate([surv_valid, rec_valid], axis=1)
-        rank = jax.vmap(order_index)(surv_valid, gpos)
-        surv_rot_pos = jnp.where(plan.recall.in_kernel & surv_valid,
-                                 rank, jnp.pad(surv_rot_pos, ((0, 0), (0, rec_gpos.shape[1]))))
-        q_pos_surv = q_pos_surv + jnp.sum(rec_valid, axis=1, dtype=jnp.int32)[:, None]
+    if plan.recall.max_pages:  # the recall tier (rsqr_jax.recall)
+        rec = recalled_tokens(q_BxCxHqxD, _get(cache.cold_k, layer), _get(cache.cold_v, layer), cache.cold_sum[layer],
+                              cache.cold_lo[layer], cache.cold_hi[layer], plan.next.cold_pos, plan.recall,
+                              ka.surv_valid_S, inv_freq)
+        surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv = extend_raw_segment(
+            surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv, plan.recall, *rec)
     out = attention.attend(q_BxCxHqxD, win_k, win_v, bc(ka.win_pos_W), surv_k, surv_v, surv_rot_pos, surv_valid,
                            bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
     return out, cache

@@ -24,7 +24,8 @@ from rsqr_jax import policy as P
 from rsqr_jax.engine import TRACES
 from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
 from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
-from rsqr_jax.update import Recall, choose_pages, commit, page_scores, plan_step
+from rsqr_jax.recall import Recall, choose_pages, page_scores
+from rsqr_jax.update import commit, plan_step
 
 CFG = tiny_config()
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
@@ -192,7 +193,7 @@ def test_bfloat16_cache_with_recall_tracks_float32():
 
 def test_recall_needs_a_raw_survivor_mode_a_cold_store_and_a_cap():
     with pytest.raises(P.PolicyError, match="cannot recall"):
-        P.rerotate(8, 2, 3, 3, recall_pages=2)
+        P.make_policy("rerotate", window=8, n_sink=2, delta=3, max_survivors=3, recall_pages=2)
     with pytest.raises(P.PolicyError, match="recall_pages must be >= 0"):
         P.rsqr(8, 2, 3, 3, recall_pages=-1)
     pol = P.rsqr(8, 2, 3, 3, recall_pages=4)

@@ -1,0 +1,107 @@
+"""The recall tier (DESIGN section 3b): which cold pages a layer recalls and how the recalled tokens join
+the raw segment. Storage (the cold ring and its page summaries) is written by rsqr_jax.update; this module
+only reads it: page scores (the query against each page's mean key, or Quest's per-channel bound), the
+top-K choice, and the raw segment extended with the recalled tokens at their ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.rope import rope_cos_sin, rotate_half_split
+from rsqr_jax.policy import order_index
+
+
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages"],
+                   data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel"])
+@dataclasses.dataclass(frozen=True)
+class Recall:
+    """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
+    token_valid_Nc: cold slots holding a token that has left the window; surv_gpos_S: the survivors'
+    global positions (for deduplication and ranks); q_global_C / q_real_C: the chunk's positions and
+    which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
+    max_pages (static): pages gathered per layer (0 = no recall in this compilation)."""
+
+    k_pages: jax.Array
+    token_valid_Nc: jax.Array
+    surv_gpos_S: jax.Array
+    q_global_C: jax.Array
+    q_real_C: jax.Array
+    in_kernel: jax.Array
+    max_pages: int = 0
+
+
+def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
+                hi_BxHkvxPgxD=None) -> jax.Array:
+    """Recall score of every cold page for this layer's queries, [B, Pg] (-inf for pages with nothing
+    recallable), maximised over the chunk's real rows, the query heads of a group and the KV heads. The
+    query is rotated at its global position; a page is summarized by its keys rotated at theirs: the mean
+    key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k)."""
+    B, C, Hq, D = q_BxCxHqxD.shape
+    Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
+    Pg = cold_pos_Nc.shape[0] // n_pages
+    cos, sin = rope_cos_sin(recall.q_global_C, inv_freq)  # [C, D/2]
+    q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), cos[:, None], sin[:, None])
+    q_BxCxKxGxD = q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
+    count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
+    if lo_BxHkvxPgxD is None:
+        mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
+        s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxKxGxD, mean, precision=jax.lax.Precision.HIGHEST)
+    else:
+        filled = (count_Pg > 0)[:, None]
+        lo, hi = jnp.where(filled, lo_BxHkvxPgxD, 0.0), jnp.where(filled, hi_BxHkvxPgxD, 0.0)
+        qx = q_BxCxKxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Pg, D]
+        s = jnp.sum(jnp.maximum(qx * lo[:, None, :, None], qx * hi[:, None, :, None]), axis=-1)
+    s = jnp.where(recall.q_real_C[None, :, None, None, None], s, -jnp.inf)
+    s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
+    valid_Pg = jnp.any(recall.token_valid_Nc.reshape(n_pages, Pg), axis=1)
+    return jnp.where(valid_Pg[None], s, -jnp.inf)
+
+
+def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k_pages pages per row ([B, max_pages] indices and an active mask); ties go to the more recent page."""
+    n_pages = scores_BxPg.shape[1]
+    newest_Pg = jnp.max(cold_pos_Nc.reshape(n_pages, -1), axis=1)
+    order = jnp.lexsort((jnp.broadcast_to(-newest_Pg, scores_BxPg.shape), -scores_BxPg), axis=-1)
+    idx = order[:, :max_pages]
+    chosen = jnp.take_along_axis(scores_BxPg, idx, axis=1)
+    active = (jnp.arange(max_pages)[None] < k_pages) & (chosen > -jnp.inf)
+    return idx, active
+
+
+def recalled_tokens(q_BxCxHqxD, cold_k, cold_v, cold_sum, cold_lo, cold_hi, cold_pos_Nc, recall: Recall,
+                    surv_valid_S, inv_freq):
+    """One layer's recalled tokens from its cold store (cold_* [B, Hkv, Nc or Pg, D], logical dtypes; lo/hi
+    with no pages = the mean rule): raw K/V [B, Hkv, R, D], global positions [B, R], validity [B, R]
+    (R = max_pages * page size; a recalled token that is also an attended survivor counts once)."""
+    B = q_BxCxHqxD.shape[0]
+    n_pages = cold_sum.shape[2]
+    Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages
+    quest = (cold_lo, cold_hi) if cold_lo.shape[2] else (None, None)
+    idx, active = choose_pages(page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest),
+                               cold_pos_Nc, recall.k_pages, K)
+    slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, K * Pg)
+    gpos = cold_pos_Nc[slots_BxR]
+    surv_att = jnp.where(surv_valid_S, recall.surv_gpos_S, -2)
+    dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)
+    valid = jnp.repeat(active, Pg, axis=1) & recall.token_valid_Nc[slots_BxR] & ~dup
+    take = lambda buf: jnp.take_along_axis(buf, slots_BxR[:, None, :, None], axis=2)  # noqa: E731
+    return take(cold_k), take(cold_v), gpos, valid
+
+
+def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_surv_BxC, recall: Recall,
+                       rec_k, rec_v, rec_gpos_BxR, rec_valid_BxR):
+    """The raw segment with the recalled tokens added: sinks + survivors + recalled, ordered by global
+    position; in the raw-survivor modes each key is rotated at its rank and the survivor-segment query sits
+    right after them (DESIGN section 3b). Returns (k, v, rot_pos, valid, q_pos_surv)."""
+    B = rec_gpos_BxR.shape[0]
+    k, v = jnp.concatenate([surv_k, rec_k], axis=2), jnp.concatenate([surv_v, rec_v], axis=2)
+    gpos = jnp.concatenate([jnp.broadcast_to(recall.surv_gpos_S, (B,) + recall.surv_gpos_S.shape), rec_gpos_BxR], 1)
+    valid = jnp.concatenate([surv_valid_BxS, rec_valid_BxR], axis=1)
+    rank = jax.vmap(order_index)(valid, gpos)
+    rot_pos = jnp.where(recall.in_kernel & valid, rank, jnp.pad(surv_rot_pos_BxS, ((0, 0), (0, rec_gpos_BxR.shape[1]))))
+    q_pos_surv = q_pos_surv_BxC + jnp.sum(rec_valid_BxR, axis=1, dtype=jnp.int32)[:, None]
+    return k, v, rot_pos, valid, q_pos_surv
