@@ -281,3 +281,17 @@ def test_quest_bound_matches_numpy_and_bounds_every_key():
     np.testing.assert_allclose(got, bound.max(axis=(1, 2, 3)), rtol=1e-5, atol=1e-5)
     exact = np.einsum("bckgd,bkpnd->bckgpn", qr, keys).max(axis=(1, 2, 3, 5))  # the best key of each page
     assert (got >= exact - 1e-5).all()  # Quest's score is an upper bound
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--policy", "rerotate", "--recall-pages", "4"], "rerotate cannot recall evicted tokens"),
+    (["--recall-pages", "-1"], "must be >= 0"),
+    (["--recall-pages", "4", "--cold-capacity", "100"], "must be a positive multiple of --page-size 16"),
+    (["--recall-pages", "300", "--cold-capacity", "64"], "exceeds the cold store's 4 pages"),
+    (["--recall-pages", "4", "--page-score", "max"], "--page-score must be mean or quest"),
+])
+@pytest.mark.parametrize("script", ["decode.py", "eval_stream.py"])
+def test_recall_flags_bad_input_is_one_line(script, args, fragment):
+    from tests.cli import assert_one_line_error, run_script
+
+    assert_one_line_error(run_script(script, *args, timeout=120), fragment)
