@@ -1,0 +1,86 @@
+"""Per-token decode latency of rsqr with the recall tier against cold-store size, side by side with plain
+rsqr in one process (rounds interleaved, so load on the machine hits every arm alike): the recall overhead
+as a ratio, and the cold store's memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from rsqr_jax.experiments.common import ConfigError, read_tokens, status, write_json_atomic
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRecallConfig:
+    text: str
+    cold_sizes: tuple[int, ...] = (0, 4096, 16384, 65536)  # 0 = plain rsqr (no cold store)
+    recall_pages: int = 4
+    page_size: int = 16
+    window: int = 256
+    n_sink: int = 4
+    delta: int = 8
+    max_survivors: int = 64
+    prompt_tokens: int = 512
+    new_tokens: int = 64
+    rounds: int = 3
+
+    def __post_init__(self):
+        if not self.cold_sizes or any(c < 0 or c % self.page_size for c in self.cold_sizes):
+            raise ConfigError(f"--cold-sizes must be multiples of --page-size {self.page_size} (0 = no recall)")
+        if self.rounds < 1 or self.new_tokens < 1 or self.prompt_tokens < 2:
+            raise ConfigError("--rounds, --new-tokens must be >= 1 and --prompt-tokens >= 2")
+
+
+def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> dict:
+    from rsqr_jax import policy as P
+    from rsqr_jax.session import Session
+    from rsqr_jax.spec import CacheSpec
+
+    prompt = read_tokens(tokenizer, cfg.text, cfg.prompt_tokens)
+    dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim, max_chunk=min(64, cfg.window))
+    sessions = {}
+    for size in cfg.cold_sizes:
+        k = cfg.recall_pages if size else 0
+        pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
+        cold = dict(cold_capacity=size, page_size=cfg.page_size) if size else {}
+        spec = CacheSpec.for_policies(pol, **cold, **dims)
+        s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
+        s.warmup()
+        s.feed(prompt)
+        sessions[size] = (s, spec.bytes_by_part(pol))
+        status(f"bench_recall: cold {size}: compiled in {s.compile_s:.1f}s")
+    times = {size: [] for size in cfg.cold_sizes}
+    for r in range(cfg.rounds):
+        for size, (s, _) in sessions.items():
+            t0 = time.perf_counter()
+            s.generate(cfg.new_tokens)
+            times[size].append((time.perf_counter() - t0) / cfg.new_tokens)
+        status(f"bench_recall: round {r + 1}/{cfg.rounds}")
+    base = float(np.median(times[cfg.cold_sizes[0]]))
+    rows = []
+    for size, (s, parts) in sessions.items():
+        ms = 1000 * float(np.median(times[size]))
+        rows.append({"cold_capacity": size, "recall_pages": cfg.recall_pages if size else 0, "ms_per_token": ms,
+                     "ms_rounds": [1000 * t for t in times[size]], "ratio": ms / (1000 * base),
+                     "cold_store_MiB": parts["cold_store"] / 2**20, "device_cache_MiB":
+                     (parts["total"] - parts["cold_store"]) / 2**20})
+    return {"config": dataclasses.asdict(cfg), "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    out = ["| cold store (tokens) | recall pages | ms/token (median) | ratio to the first row | cold store MiB | "
+           "window + survivors MiB |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        out.append(f"| {r['cold_capacity']} | {r['recall_pages']} | {r['ms_per_token']:.1f} | {r['ratio']:.2f} | "
+                   f"{r['cold_store_MiB']:.0f} | {r['device_cache_MiB']:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def write(result: dict, out_dir) -> None:
+    import pathlib
+
+    write_json_atomic(pathlib.Path(out_dir) / "bench_recall.json", result)
+    (pathlib.Path(out_dir) / "bench_recall.md").write_text(markdown(result))

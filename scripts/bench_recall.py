@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Decode latency of rsqr + recall against cold-store size, side by side with plain rsqr (ratios).
+
+    python scripts/bench_recall.py --out runs/bench_recall            # cold stores 0, 4k, 16k, 64k tokens
+"""
+
+from __future__ import annotations
+
+import json
+
+from _common import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load_model_from_args, run_main
+
+
+def main() -> int:
+    from rsqr_jax.experiments import bench_recall as B
+
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--text", default=str(DEFAULT_TEXT))
+    p.add_argument("--cold-sizes", default="0,4096,16384,65536", help="cold-store capacities (0 = plain rsqr)")
+    p.add_argument("--recall-pages", type=int, default=4)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="cold stores 0 and 256, 8 tokens, 1 round")
+    p.add_argument("--out", default=None, metavar="DIR")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="(no progress bars here)")
+    add_model_args(p)
+    args = p.parse_args()
+    check_model_args(args)
+    try:
+        sizes = tuple(int(x) for x in args.cold_sizes.split(","))
+    except ValueError:
+        p.error(f"--cold-sizes must be comma-separated integers, got {args.cold_sizes!r}")
+    if args.quick:
+        sizes, args.new_tokens, args.rounds = (0, 256), 8, 1
+    cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size,
+                              new_tokens=args.new_tokens, rounds=args.rounds)
+    loaded, apply_fn, params = load_model_from_args(args)
+    result = B.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
+    if args.out:
+        B.write(result, args.out)
+    print(json.dumps(result) if args.json else B.markdown(result), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
