@@ -33,6 +33,16 @@ def progress(total: int, desc: str, *, enabled: bool = True, unit: str = "tok"):
                 dynamic_ncols=True)
 
 
+def check_stream_shape(tokens: int, chunk: int, segment: int, bucket: int) -> None:
+    """The streaming flags every perplexity experiment shares, checked once (ConfigError, one line)."""
+    if tokens < 2:
+        raise ConfigError(f"--tokens must be >= 2, got {tokens}")
+    if chunk < 1 or segment < 1 or segment % chunk:
+        raise ConfigError("--chunk must be >= 1 and divide --segment")
+    if bucket < 1:
+        raise ConfigError(f"--bucket must be >= 1, got {bucket}")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Token reading.
 

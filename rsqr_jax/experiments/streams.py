@@ -13,8 +13,8 @@ import numpy as np
 
 from rsqr_jax import policy as P
 from rsqr_jax.engine import stream_nll
-from rsqr_jax.experiments.common import (ConfigError, Timer, check_finite, ppl, ppl_curve, progress, read_text,
-                                         read_tokens, status, write_json_atomic)
+from rsqr_jax.experiments.common import (ConfigError, Timer, check_finite, check_stream_shape, ppl, ppl_curve, progress,
+                                         read_text, read_tokens, status, write_json_atomic)
 from rsqr_jax.policy import Policy
 from rsqr_jax.spec import CacheSpec, host_policies
 
@@ -156,12 +156,7 @@ class StreamConfig:
     page_score: str = "mean"
 
     def __post_init__(self):
-        if self.tokens < 2:
-            raise ConfigError(f"--tokens must be >= 2, got {self.tokens}")
-        if self.chunk < 1 or self.segment < 1 or self.segment % self.chunk:
-            raise ConfigError("--chunk must be >= 1 and divide --segment")
-        if self.bucket < 1:
-            raise ConfigError(f"--bucket must be >= 1, got {self.bucket}")
+        check_stream_shape(self.tokens, self.chunk, self.segment, self.bucket)
         h = self.policy.host()
         if h["mode"] != P.FULL and self.chunk > h["window"]:
             raise ConfigError(f"--chunk {self.chunk} is larger than --window {h['window']}")

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from rsqr_jax.experiments.common import ConfigError, progress, read_tokens, status, write_json_atomic
+from rsqr_jax.experiments.common import ConfigError, check_stream_shape, progress, read_tokens, status, write_json_atomic
 
 DEFAULT_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=128,256 delta=4,8,16"
 QUICK_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=8,16 delta=4 max_survivors=8"
@@ -59,12 +59,7 @@ class SweepConfig:
             raise ConfigError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.sort not in SORTS:
             raise ConfigError(f"--sort must be one of {', '.join(SORTS)}, got {self.sort!r}")
-        if self.tokens < 2:
-            raise ConfigError(f"--tokens must be >= 2, got {self.tokens}")
-        if self.chunk < 1 or self.segment < 1 or self.segment % self.chunk:
-            raise ConfigError("--chunk must be >= 1 and divide --segment")
-        if self.bucket < 1:
-            raise ConfigError(f"--bucket must be >= 1, got {self.bucket}")
+        check_stream_shape(self.tokens, self.chunk, self.segment, self.bucket)
         if self.devices is not None and self.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {self.devices}")
         if self.dtype not in ("float32", "bfloat16"):
