@@ -90,32 +90,14 @@ def check_model_args(args) -> None:
         raise UsageError(f"model not found: {args.model}")
 
 
-def available_memory_bytes() -> int | None:
-    """Memory the cache can use: the accelerator's limit, or the host's available memory (None if unknown)."""
-    try:
-        import jax
-
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    except Exception:  # noqa: BLE001 - no stats on this backend
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_cache_fits(cache_bytes: int) -> None:
     """Refuse (one line) a cache that cannot fit in memory, before allocating it."""
-    avail = available_memory_bytes()
-    if avail is not None and cache_bytes > avail:
-        raise UsageError(f"the cache needs {cache_bytes / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB of memory "
-                         f"is available: use a smaller --window / --max-survivors (or --tokens for full)")
+    from rsqr_jax.experiments.common import ConfigError, check_memory
+
+    try:
+        check_memory(cache_bytes)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def load_model_from_args(args):

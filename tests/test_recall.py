@@ -315,3 +315,13 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
     assert "| 64 | 2 |" in (tmp_path / "out" / "bench_recall.md").read_text()
     with pytest.raises(B.ConfigError, match="multiples of --page-size"):
         B.BenchRecallConfig(str(text), (0, 30), page_size=4)
+
+
+def test_a_cold_store_larger_than_memory_is_refused_before_loading_the_weights():
+    from rsqr_jax.experiments.common import ConfigError, check_memory
+    from tests.cli import assert_one_line_error, run_script
+
+    assert_one_line_error(run_script("decode.py", "--recall-pages", "4", "--cold-capacity", str(1 << 30), timeout=120),
+                          "GiB of memory is available")
+    with pytest.raises(ConfigError, match="--cold-capacity"):
+        check_memory(1 << 60)

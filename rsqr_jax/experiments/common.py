@@ -43,6 +43,35 @@ def check_stream_shape(tokens: int, chunk: int, segment: int, bucket: int) -> No
         raise ConfigError(f"--bucket must be >= 1, got {bucket}")
 
 
+def available_memory_bytes() -> int | None:
+    """Memory a cache can use: the accelerator's limit, or the host's available memory (None if unknown)."""
+    try:
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    except Exception:  # noqa: BLE001 - no stats on this backend
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(cache_bytes: int) -> None:
+    """ConfigError (one line) for a cache (cold store included) that cannot fit in memory, before allocating it."""
+    avail = available_memory_bytes()
+    if avail is not None and cache_bytes > avail:
+        raise ConfigError(f"the cache needs {cache_bytes / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB of memory "
+                          f"is available: use a smaller --window / --max-survivors / --cold-capacity (or --tokens "
+                          f"for full)")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Token reading.
 

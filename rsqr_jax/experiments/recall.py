@@ -38,7 +38,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from rsqr_jax.experiments.common import (ConfigError, progress, read_text, sigterm_interrupts, status,
+from rsqr_jax.experiments.common import (ConfigError, check_memory, progress, read_text, sigterm_interrupts, status,
                                          write_json_atomic)
 from rsqr_jax.experiments.recall_report import (PUBLISHED, RecallResult, load_resumable, paired, summarize,
                                                 unfinished)
@@ -315,6 +315,7 @@ class _Study:
         spec = CacheSpec.for_policies(policies, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                       head_dim=c.head_dim, batch=self.B, dtype=dtype, max_chunk=self.cfg.chunk,
                                       max_len=max_len, **self.cold_store(policies))
+        check_memory(spec.bytes_by_part()["total"])  # e.g. a cold store per trial row: refuse before allocating
         return Decoder(m.apply_fn, spec, gen_block=self.cfg.gen_tokens)
 
     def cold_store(self, policies) -> dict:
