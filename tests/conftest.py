@@ -12,6 +12,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from tests import hf_fixtures  # noqa: E402  (the repo root is on sys.path: pytest pythonpath ["."])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """XLA:CPU maps memory for every compiled executable and the jit caches keep them alive: the whole suite
+    in one process passed Linux's default vm.max_map_count (65530) and XLA then aborted while compiling
+    (measured: ~24k maps after the first six test files). Drop the compiled functions after each module."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dirs(tmp_path_factory):
     """{name: (spec, dir)} for every tiny variant in hf_fixtures.TINY_SPECS, built and saved once."""
