@@ -72,11 +72,13 @@ def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax
     return idx, active
 
 
-def recalled_tokens(q_BxCxHqxD, cold_k, cold_v, cold_sum, cold_lo, cold_hi, cold_pos_Nc, recall: Recall,
-                    surv_valid_S, inv_freq):
-    """One layer's recalled tokens from its cold store (cold_* [B, Hkv, Nc or Pg, D], logical dtypes; lo/hi
-    with no pages = the mean rule): raw K/V [B, Hkv, R, D], global positions [B, R], validity [B, R]
-    (R = max_pages * page size; a recalled token that is also an attended survivor counts once)."""
+def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_pos_Nc, recall: Recall, surv_valid_S,
+                    inv_freq):
+    """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
+    slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
+    positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
+    (lo/hi with no pages = the mean rule). R = max_pages * page size; a recalled token that is also an attended
+    survivor counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages
@@ -88,8 +90,7 @@ def recalled_tokens(q_BxCxHqxD, cold_k, cold_v, cold_sum, cold_lo, cold_hi, cold
     surv_att = jnp.where(surv_valid_S, recall.surv_gpos_S, -2)
     dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)
     valid = jnp.repeat(active, Pg, axis=1) & recall.token_valid_Nc[slots_BxR] & ~dup
-    take = lambda buf: jnp.take_along_axis(buf, slots_BxR[:, None, :, None], axis=2)  # noqa: E731
-    return take(cold_k), take(cold_v), gpos, valid
+    return (*gather_kv(slots_BxR), gpos, valid)
 
 
 def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_surv_BxC, recall: Recall,

@@ -260,6 +260,19 @@ def _kv_bitcast(cache: KVCache, dtype) -> KVCache:
     return cache.replace(**{f: jax.lax.bitcast_convert_type(getattr(cache, f), dtype) for f in KV_FIELDS})
 
 
+def _gather_slots(cache: KVCache, layer, slots_BxR) -> tuple[jax.Array, jax.Array]:
+    """Raw K and V [B, Hkv, R, D] of the given cold slots of one layer, in their logical dtype: one gather
+    from the whole [L, ...] store (no copy of the layer's store)."""
+    B, H = cache.cold_k.shape[1], cache.cold_k.shape[2]
+    idx = (layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots_BxR[:, None, :])
+
+    def take(buf):
+        x = buf[idx]
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
+
+    return take(cache.cold_k), take(cache.cold_v)
+
+
 def _rotate_BxHxNxD(k, pos_N, inv_freq):
     """R_pos k for keys [B, H, N, D] at positions pos_N [N] (float32 result)."""
     cos, sin = rope_cos_sin(pos_N, inv_freq)  # [N, D/2]
@@ -359,7 +372,7 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
     surv_rot_pos, surv_valid, q_pos_surv = bc(ka.surv_rot_pos_S), bc(ka.surv_valid_S), bc(ka.q_pos_surv_C)
     if plan.recall.max_pages:  # the recall tier (rsqr_jax.recall)
-        rec = recalled_tokens(q_BxCxHqxD, _get(cache.cold_k, layer), _get(cache.cold_v, layer), cache.cold_sum[layer],
+        rec = recalled_tokens(q_BxCxHqxD, lambda slots: _gather_slots(cache, layer, slots), cache.cold_sum[layer],
                               cache.cold_lo[layer], cache.cold_hi[layer], plan.next.cold_pos, plan.recall,
                               ka.surv_valid_S, inv_freq)
         surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv = extend_raw_segment(
