@@ -368,10 +368,13 @@ def test_quick_run_sigterm_and_resume(tmp_path, smollm2_path):
     # A 7-digit number is recalled from a short full cache (calibration: 90-100% at ~100 filler tokens).
     assert cells[("pinned", "float32", "full", 2)]["acc"] >= 0.5
     assert cells[("pinned", "float32", "streamingllm", 2)]["acc"] >= 0.5
-    # Unprotected: the digits have left the window; no bounded arm can reproduce 7 random digits.
+    # Unprotected: the digits have left the window; no bounded arm can reproduce 7 random digits - except
+    # the recall tier, which brings them back from the cold store (100% in the quick run when measured).
     for c in cfg["unprotected_cycles"]:
         for arm in cfg["unprotected_arms"]:
-            assert cells[("unprotected", "float32", arm, c)]["acc"] == 0.0, arm
+            acc = cells[("unprotected", "float32", arm, c)]["acc"]
+            assert (acc >= 0.5) if arm == "rsqr_recall" else (acc == 0.0), (arm, acc)
+    assert "rsqr_recall" in cfg["unprotected_arms"]
     assert len(data["records"]) == sum(s["trials"] for s in data["summary"] if "shared_with" not in s)
     assert "| streamingllm |" in proc.stdout
 
