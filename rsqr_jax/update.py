@@ -34,7 +34,8 @@ def _dataclass(cls):
 @_dataclass
 class Writes:
     """Where each chunk token's K/V is written (slot out of range = not written) and the position its key
-    is rotated at when written (0 = stored raw)."""
+    is rotated at when written (0 = stored raw); cold_slot_C / cold_page_C: its raw copy's slot and page in
+    the recall tier's cold ring."""
 
     win_slot_C: jax.Array
     win_rot_pos_C: jax.Array
@@ -42,7 +43,6 @@ class Writes:
     surv_rot_pos_C: jax.Array
     cold_slot_C: jax.Array
     cold_page_C: jax.Array
-    cold_restart_Pg: jax.Array
 
 
 @_dataclass
@@ -201,7 +201,7 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
                     max_pages=max_recall_pages if Nc else 0)
 
     return StepPlan(
-        writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, restart),
+        writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page),
         kernel=KernelArgs(
             win_pos_W=jnp.where(win_in, jnp.where(mode.rank_window, win_rank, win_pos), -1),
             q_pos_win_C=jnp.where(mode.rank_window, q_rank, g_C),
@@ -346,12 +346,17 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     cold_k = _set(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
     cold_v = _set(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
     rot_BxHxCxD = _rotate_BxHxNxD(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
-    restart = wr.cold_restart_Pg[:, None]
-    page = (slice(None), slice(None), wr.cold_page_C)  # out-of-range pages (tokens not stored) are dropped
+    n_pages = cache.cold_sum.shape[3]
+    first_C = (wr.cold_slot_C % (cache.cold_pos.shape[0] // n_pages) == 0) & (wr.cold_page_C < n_pages)
+    # Scatters into the whole [L, ...] summary at this layer and the chunk's pages only (O(chunk) per step;
+    # out-of-range pages, i.e. tokens not stored, are dropped): reset the pages the chunk starts, then combine.
+    restart = (layer, slice(None), slice(None), jnp.where(first_C, wr.cold_page_C, n_pages))
+    page = (layer, slice(None), slice(None), wr.cold_page_C)
+    rot_CxBxHxD = jnp.moveaxis(rot_BxHxCxD, 2, 0)
 
     def summarize(buf, reset, combine):
-        fresh = jnp.where(restart, reset, buf[layer])
-        return buf.at[layer].set(getattr(fresh.at[page], combine)(rot_BxHxCxD, mode="drop"))
+        buf = buf.at[restart].set(reset, mode="drop")
+        return getattr(buf.at[page], combine)(rot_CxBxHxD, mode="drop")
 
     out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=summarize(cache.cold_sum, 0.0, "add"))
     if cache.cold_lo.shape[3]:
