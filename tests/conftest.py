@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from tests import hf_fixtures  # noqa: E402  (the repo root is on sys.path: pytest pythonpath ["."])
+from tests import hf_fixtures  # noqa: E402  (pytest puts the repo root first: pythonpath ["."])
 
 
 @pytest.fixture(autouse=True, scope="module")
