@@ -35,7 +35,7 @@ def _dataclass(cls):
 class Writes:
     """Where each chunk token's K/V is written (slot out of range = not written) and the position its key
     is rotated at when written (0 = stored raw); cold_slot_C / cold_page_C: its raw copy's slot and page in
-    the recall tier's cold ring."""
+    the recall tier's cold ring; cold_first_C: it starts its page afresh."""
 
     win_slot_C: jax.Array
     win_rot_pos_C: jax.Array
@@ -43,6 +43,7 @@ class Writes:
     surv_rot_pos_C: jax.Array
     cold_slot_C: jax.Array
     cold_page_C: jax.Array
+    cold_first_C: jax.Array
 
 
 @_dataclass
@@ -190,18 +191,18 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
         cold_C = real_C & (r_C >= N)
         cold_slot = jnp.where(cold_C, (r_C - N) % Nc, Nc)
         cold_page = jnp.where(cold_C, cold_slot // Pg, n_pages)
-        restart = jnp.zeros((n_pages,), jnp.int32).at[cold_page].max(
-            (cold_C & (cold_slot % Pg == 0)).astype(jnp.int32), mode="drop") > 0
+        first_C = cold_C & (cold_slot % Pg == 0)
+        restart = jnp.zeros((n_pages,), jnp.int32).at[cold_page].max(first_C.astype(jnp.int32), mode="drop") > 0
         cold_pos = jnp.where(jnp.repeat(restart, Pg), -1, cache.cold_pos).at[cold_slot].set(g_C, mode="drop")
     else:
         cold_slot = cold_page = jnp.zeros((C,), jnp.int32)
-        restart, cold_pos = jnp.zeros((0,), bool), cache.cold_pos
+        first_C, cold_pos = jnp.zeros((C,), bool), cache.cold_pos
     recall = Recall(k_pages=policy.recall_pages, token_valid_Nc=(cold_pos >= 0) & (cold_pos < w0),
                     surv_gpos_S=surv_pos, q_global_C=g_C, q_real_C=real_C, in_kernel=mode.surv_in_kernel,
                     max_pages=max_recall_pages if Nc else 0)
 
     return StepPlan(
-        writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page),
+        writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, first_C),
         kernel=KernelArgs(
             win_pos_W=jnp.where(win_in, jnp.where(mode.rank_window, win_rank, win_pos), -1),
             q_pos_win_C=jnp.where(mode.rank_window, q_rank, g_C),
@@ -347,10 +348,9 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     cold_v = _set(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
     rot_BxHxCxD = _rotate_BxHxNxD(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
     n_pages = cache.cold_sum.shape[3]
-    first_C = (wr.cold_slot_C % (cache.cold_pos.shape[0] // n_pages) == 0) & (wr.cold_page_C < n_pages)
     # Scatters into the whole [L, ...] summary at this layer and the chunk's pages only (O(chunk) per step;
     # out-of-range pages, i.e. tokens not stored, are dropped): reset the pages the chunk starts, then combine.
-    restart = (layer, slice(None), slice(None), jnp.where(first_C, wr.cold_page_C, n_pages))
+    restart = (layer, slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
     page = (layer, slice(None), slice(None), wr.cold_page_C)
     rot_CxBxHxD = jnp.moveaxis(rot_BxHxCxD, 2, 0)
 
