@@ -160,7 +160,7 @@ def _jit(donate: int):
 def _feed_body(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
     def fn(cache, policy):
         return step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid,
-                    max_recall_pages=dec.spec.max_recall_pages)
+                    **dec.spec.recall_args)
 
     logits, cache = dec._map(fn, (0, 0))(cache, policy)
     cache, logits = dec._pin(cache, logits)
@@ -179,7 +179,7 @@ def _advance(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
 
 def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p):
     logits, cache = step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid,
-                    max_recall_pages=dec.spec.max_recall_pages)
+                    **dec.spec.recall_args)
     rng, sub = jax.random.split(rng)
     last_BxV = jnp.take(logits, jnp.maximum(n_valid - 1, 0), axis=1)
     return sample(last_BxV, sub, temperature, top_p), cache, rng
@@ -201,7 +201,7 @@ def _score(dec: Decoder, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_v
         def body(cache, xs):
             tokens, targets, n_valid = xs
             logits, cache = step(dec.apply_fn, params, tokens, cache, pol, n_valid,
-                                 max_recall_pages=dec.spec.max_recall_pages)
+                                 **dec.spec.recall_args)
             logp = jax.nn.log_softmax(logits, axis=-1)
             return cache, -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 

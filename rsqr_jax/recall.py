@@ -15,7 +15,7 @@ from pallas_kernels.rope import rope_cos_sin, rotate_half_split
 from rsqr_jax.policy import order_index
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages"],
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages", "neighbors"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel"])
 @dataclasses.dataclass(frozen=True)
 class Recall:
@@ -23,7 +23,8 @@ class Recall:
     token_valid_Nc: cold slots holding a token that has left the window; surv_gpos_S: the survivors'
     global positions (for deduplication and ranks); q_global_C / q_real_C: the chunk's positions and
     which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
-    max_pages (static): pages gathered per layer (0 = no recall in this compilation)."""
+    max_pages (static): pages chosen per layer (0 = no recall in this compilation); neighbors (static): pages
+    on each side of a chosen page gathered with it."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -32,6 +33,7 @@ class Recall:
     q_real_C: jax.Array
     in_kernel: jax.Array
     max_pages: int = 0
+    neighbors: int = 0
 
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
@@ -72,20 +74,40 @@ def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax
     return idx, active
 
 
+def with_neighbors(idx_BxK, active_BxK, cold_pos_Nc, n_pages: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """The chosen pages and the n pages on each side of each ([B, K * (2n + 1)] indices and an active mask):
+    a neighbour is the page of the ring that holds the tokens right before / after (at the ring's seam the
+    adjacent slot holds other tokens: inactive), and a page chosen twice is active once."""
+    B, K = idx_BxK.shape
+    Pg = cold_pos_Nc.shape[0] // n_pages
+    off_J = jnp.arange(-n, n + 1)
+    pages = (idx_BxK[:, :, None] + off_J) % n_pages  # [B, K, J]
+    newest_Pg = jnp.max(cold_pos_Nc.reshape(n_pages, Pg), axis=1)
+    adjacent = jnp.abs(newest_Pg[pages] - newest_Pg[idx_BxK][:, :, None] - off_J * Pg) < Pg
+    pages, act = pages.reshape(B, -1), (active_BxK[:, :, None] & adjacent).reshape(B, -1)
+    M = pages.shape[1]
+    earlier_MxM = jnp.arange(M)[None, :] < jnp.arange(M)[:, None]  # [j, i]: i comes before j
+    dup = jnp.any((pages[:, :, None] == pages[:, None, :]) & act[:, None, :] & earlier_MxM, axis=-1)
+    return pages, act & ~dup
+
+
 def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_pos_Nc, recall: Recall, surv_valid_S,
                     inv_freq):
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
-    (lo/hi with no pages = the mean rule). R = max_pages * page size; a recalled token that is also an attended
-    survivor counts once."""
+    (lo/hi with no pages = the mean rule). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
+    that is also an attended survivor, or on a page gathered twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages
     quest = (cold_lo, cold_hi) if cold_lo.shape[2] else (None, None)
     idx, active = choose_pages(page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest),
                                cold_pos_Nc, recall.k_pages, K)
-    slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, K * Pg)
+    if recall.neighbors:
+        idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)
+    M = idx.shape[1]
+    slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
     gpos = cold_pos_Nc[slots_BxR]
     surv_att = jnp.where(surv_valid_S, recall.surv_gpos_S, -2)
     dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)

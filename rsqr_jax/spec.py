@@ -19,6 +19,45 @@ PAGE_SCORES = ("mean", "quest")
 
 
 @dataclasses.dataclass(frozen=True)
+class ColdStore:
+    """The recall tier's static settings as one value (DESIGN section 3b): capacity (evicted tokens kept at
+    least), page_size, page_score (PAGE_SCORES) and neighbors (pages on each side of a chosen page that come
+    back with it). `spec_kwargs` are the CacheSpec.for_policies keywords; ValueError on impossible values."""
+
+    capacity: int = 4096
+    page_size: int = 16
+    page_score: str = "mean"
+    neighbors: int = 0
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise ValueError(f"the page size must be >= 1, got {self.page_size}")
+        if self.capacity < self.page_size or self.capacity % self.page_size:
+            raise ValueError(f"the cold capacity {self.capacity} must be a positive multiple of the page size "
+                             f"{self.page_size}")
+        if self.page_score not in PAGE_SCORES:
+            raise ValueError(f"unknown page score {self.page_score!r}: choose one of {', '.join(PAGE_SCORES)}")
+        if self.neighbors < 0:
+            raise ValueError(f"recall neighbors must be >= 0, got {self.neighbors}")
+
+    @property
+    def pages(self) -> int:
+        return self.capacity // self.page_size
+
+    def spec_kwargs(self) -> dict:
+        return {"cold_capacity": self.capacity, "page_size": self.page_size, "page_score": self.page_score,
+                "recall_neighbors": self.neighbors}
+
+    @classmethod
+    def of_spec(cls, spec: "CacheSpec | dict") -> "ColdStore | None":
+        """The cold store of a spec (or of its dict, as a session file holds it); None without one."""
+        d = spec if isinstance(spec, dict) else dataclasses.asdict(spec)
+        if not d.get("cold_capacity"):
+            return None
+        return cls(d["cold_capacity"], d["page_size"], d.get("page_score", "mean"), d.get("recall_neighbors", 0))
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """Static capacities (array shapes) of a cache; hashable, so it can be a jit static argument.
 
@@ -30,6 +69,8 @@ class CacheSpec:
     store that keeps at least the last cold_capacity evicted non-sink tokens (raw K/V, in pages of
     page_size consecutive tokens), from which a policy may recall up to max_recall_pages pages per layer
     and step (0: no cold store). page_score: the rule recall ranks pages by (PAGE_SCORES).
+    recall_neighbors: pages on each side of a chosen page that come back with it (a fact that straddles a
+    page boundary returns whole; duplicates count once): each choice gathers 1 + 2 * recall_neighbors pages.
     """
 
     num_layers: int
@@ -46,12 +87,13 @@ class CacheSpec:
     page_size: int = 16
     max_recall_pages: int = 0
     page_score: str = "mean"
+    recall_neighbors: int = 0
 
     def __post_init__(self):
         for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "win_capacity", "surv_capacity", "max_chunk",
-                     "cold_capacity", "page_size", "max_recall_pages"):
+                     "cold_capacity", "page_size", "max_recall_pages", "recall_neighbors"):
             v = getattr(self, name)
-            low = 0 if name in ("surv_capacity", "cold_capacity", "max_recall_pages") else 1
+            low = 0 if name in ("surv_capacity", "cold_capacity", "max_recall_pages", "recall_neighbors") else 1
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"CacheSpec.{name} must be an integer >= {low}, got {v!r}")
         if self.head_dim % 2:
@@ -67,6 +109,8 @@ class CacheSpec:
         if self.max_recall_pages > self.cold_slots // self.page_size:
             raise ValueError(f"max_recall_pages {self.max_recall_pages} exceeds the cold store's "
                              f"{self.cold_slots // self.page_size} pages")
+        if self.recall_neighbors and not self.max_recall_pages:
+            raise ValueError("recall_neighbors > 0 needs recall (max_recall_pages > 0)")
 
     @property
     def cold_slots(self) -> int:
@@ -80,13 +124,18 @@ class CacheSpec:
     @property
     def recall_slots(self) -> int:
         """Survivor-segment slots a layer adds per step for recalled tokens (gathered, not stored)."""
-        return self.max_recall_pages * self.page_size
+        return self.max_recall_pages * (1 + 2 * self.recall_neighbors) * self.page_size
+
+    @property
+    def recall_args(self) -> dict:
+        """The static recall keywords of `update.step` / `update.plan_step` for this spec."""
+        return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.recall_neighbors}
 
     @classmethod
     def for_policies(cls, policies: Policy | list[Policy], *, num_layers: int, num_kv_heads: int, head_dim: int,
                      batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0,
                      cold_capacity: int = 0, page_size: int = 16, max_recall_pages: int | None = None,
-                     page_score: str = "mean") -> "CacheSpec":
+                     page_score: str = "mean", recall_neighbors: int = 0) -> "CacheSpec":
         """The smallest spec that holds every given policy (a sweep batch gets the union).
 
         max_len bounds the stream for `full` (its window must hold everything) and nothing else.
@@ -103,7 +152,7 @@ class CacheSpec:
         if max_recall_pages is None:
             max_recall_pages = max(h["recall_pages"] for h in hosts)
         return cls(num_layers, batch, num_kv_heads, head_dim, win, surv, float_dtype_name(dtype), pre, tok, max_chunk,
-                   cold_capacity, page_size, max_recall_pages, page_score)
+                   cold_capacity, page_size, max_recall_pages, page_score, recall_neighbors)
 
     @property
     def entry_bytes(self) -> int:

@@ -42,6 +42,8 @@ def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr")
     g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
     g.add_argument("--page-score", default="mean", help="how pages are ranked: mean (the query against the page's "
                    "mean key; measured better) or quest (Quest's per-channel bound)")
+    g.add_argument("--recall-neighbors", type=int, default=0,
+                   help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -60,14 +62,16 @@ def policy_from_args(args):
                        recall_pages=getattr(args, "recall_pages", 0))
 
 
-def cold_store_args(args) -> dict:
-    """CacheSpec.for_policies keywords of the recall tier (no cold store unless recall is on); one-line
-    errors for impossible values."""
+def cold_store_from_args(args):
+    """The recall tier's ColdStore of the flags (None unless recall is on); one-line errors for impossible
+    values, before anything loads."""
+    from rsqr_jax.spec import ColdStore
+
     k = getattr(args, "recall_pages", 0)
     if k < 0:
         raise UsageError(f"--recall-pages must be >= 0, got {k}")
     if not k:
-        return {}
+        return None
     if args.page_size < 1:
         raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
     if args.cold_capacity < args.page_size or args.cold_capacity % args.page_size:
@@ -75,10 +79,21 @@ def cold_store_args(args) -> dict:
                          f"{args.page_size}")
     if args.page_score not in ("mean", "quest"):
         raise UsageError(f"--page-score must be mean or quest, got {args.page_score!r}")
-    if k > args.cold_capacity // args.page_size:
-        raise UsageError(f"--recall-pages {k} exceeds the cold store's {args.cold_capacity // args.page_size} pages")
-    return {"cold_capacity": args.cold_capacity, "page_size": args.page_size, "max_recall_pages": k,
-            "page_score": args.page_score}
+    if args.recall_neighbors < 0:
+        raise UsageError(f"--recall-neighbors must be >= 0, got {args.recall_neighbors}")
+    try:
+        cold = ColdStore(args.cold_capacity, args.page_size, args.page_score, args.recall_neighbors)
+    except ValueError as e:
+        raise UsageError(f"recall flags: {e}") from None
+    if k > cold.pages:
+        raise UsageError(f"--recall-pages {k} exceeds the cold store's {cold.pages} pages")
+    return cold
+
+
+def cold_store_args(args) -> dict:
+    """CacheSpec.for_policies keywords of the recall tier (none unless recall is on)."""
+    cold = cold_store_from_args(args)
+    return {} if cold is None else {**cold.spec_kwargs(), "max_recall_pages": args.recall_pages}
 
 
 def check_model_args(args) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from _common import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_cache_fits, check_model_args,
-                     cold_store_args, load_model_from_args, policy_from_args, run_main)
+                     cold_store_from_args, load_model_from_args, policy_from_args, run_main)
 
 
 def build_parser() -> Parser:
@@ -34,10 +34,9 @@ def main() -> int:
 
     args = build_parser().parse_args()
     check_model_args(args)
-    cold_store_args(args)  # one-line errors for impossible recall flags, before anything loads
+    cold = cold_store_from_args(args)  # one-line errors for impossible recall flags, before anything loads
     config = StreamConfig(args.text, policy_from_args(args), args.policy, tokens=args.tokens, chunk=args.chunk,
-                          segment=args.segment, bucket=args.bucket, cold_capacity=args.cold_capacity,
-                          page_size=args.page_size, page_score=args.page_score)
+                          segment=args.segment, bucket=args.bucket, **({"cold": cold} if cold else {}))
     check_text(args.text)  # fail before loading the model
     loaded, apply_fn, params = load_model_from_args(args)
     model = Model(apply_fn, params, loaded.config, loaded.tokenizer, args.dtype, loaded.path)

@@ -13,6 +13,7 @@ from _common import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load
 
 def main() -> int:
     from rsqr_jax.experiments import fact_probe as F
+    from rsqr_jax.spec import ColdStore
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text (default: Frankenstein)")
@@ -23,6 +24,9 @@ def main() -> int:
     p.add_argument("--cold-capacity", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--page-score", default="mean", help="mean or quest")
+    p.add_argument("--recall-neighbors", type=int, default=0, help="pages on each side recalled with a chosen page")
+    p.add_argument("--lead-max", type=int, default=0,
+                   help="0..N random filler tokens before the fact (mid-stream, any page alignment)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="2 trials, 300 filler tokens")
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/fact_probe.json and .md")
@@ -31,10 +35,13 @@ def main() -> int:
     add_model_args(p)
     args = p.parse_args()
     check_model_args(args)
+    try:
+        cold = ColdStore(args.cold_capacity, args.page_size, args.page_score, args.recall_neighbors)
+    except ValueError as e:
+        raise F.ConfigError(str(e)) from None
     cfg = F.FactConfig(args.filler, trials=2 if args.quick else args.trials,
                        n_filler=300 if args.quick else args.filler_tokens, arms=tuple(args.arms.split(",")),
-                       recall_pages=args.recall_pages, cold_capacity=args.cold_capacity, page_size=args.page_size,
-                       page_score=args.page_score, seed=args.seed)
+                       recall_pages=args.recall_pages, cold=cold, lead_max=args.lead_max, seed=args.seed)
     F.read_text(cfg.filler)  # fail before loading the model
     loaded, apply_fn, params = load_model_from_args(args)
     result = F.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer, show_progress=not args.no_progress)

@@ -24,7 +24,7 @@ from rsqr_jax import policy as P
 from rsqr_jax.engine import TRACES
 from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
 from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
-from rsqr_jax.recall import Recall, choose_pages, page_scores
+from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
 from rsqr_jax.update import commit, plan_step
 
 CFG = tiny_config()
@@ -48,9 +48,9 @@ def nll(policy, tokens, spec, chunk=1, seed=0):
     return out
 
 
-def spec_for(policies, T, *, chunk=1, cold=0, page=4, dtype="float32", max_pages=None):
+def spec_for(policies, T, *, chunk=1, cold=0, page=4, dtype="float32", max_pages=None, neighbors=0):
     return rj.CacheSpec.for_policies(policies, max_chunk=chunk, max_len=T, cold_capacity=cold, page_size=page,
-                                     max_recall_pages=max_pages, dtype=dtype, **DIMS)
+                                     max_recall_pages=max_pages, dtype=dtype, recall_neighbors=neighbors, **DIMS)
 
 
 def test_recall_pages_zero_equals_plain_rsqr():
@@ -63,13 +63,16 @@ def test_recall_pages_zero_equals_plain_rsqr():
     assert np.abs(base - full).max() > 0.1  # evictions changed the answer: the equality is not vacuous
 
 
-@pytest.mark.parametrize("mode,chunk", [("rsqr", 1), ("rsqr", 4), ("streamingllm", 1), ("streamingllm", 4)])
-def test_recalling_every_evicted_token_equals_full(mode, chunk):
+@pytest.mark.parametrize("mode,chunk,neighbors", [("rsqr", 1, 0), ("rsqr", 4, 1), ("streamingllm", 1, 0),
+                                                   ("streamingllm", 4, 0)])
+def test_recalling_every_evicted_token_equals_full(mode, chunk, neighbors):
+    """(neighbors = 1: every page also brings both neighbours, so each token is gathered up to three times;
+    the equality holds only if each counts once.)"""
     T = 64
     tokens = np.random.default_rng(_seed("full")).integers(0, CFG.vocab_size, size=(1, T))
     kw = dict(window=8, n_sink=2) | (dict(delta=3, max_survivors=3) if mode == "rsqr" else {})
     pol = P.make_policy(mode, recall_pages=T // 4, **kw)  # every page of a store that holds everything
-    got = nll(pol, tokens, spec_for([pol], T, chunk=chunk, cold=T), chunk=chunk)
+    got = nll(pol, tokens, spec_for([pol], T, chunk=chunk, cold=T, neighbors=neighbors), chunk=chunk)
     want = nll(P.full(), tokens, spec_for([P.full()], T, chunk=chunk), chunk=chunk)
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
     plain = P.make_policy(mode, **kw)
@@ -153,6 +156,30 @@ def test_page_choice_matches_a_numpy_model_of_the_scoring_rule():
     assert np.asarray(active).tolist() == [[True, True, False]] * B  # k = 2 of the 3 gathered
 
 
+def test_neighbours_are_the_adjacent_pages_in_time_each_once():
+    """with_neighbors against a plain-Python model on a wrapped ring: the chosen pages plus the pages holding
+    the tokens right before/after them (not the page across the ring's seam, not an empty one), no page twice."""
+    rng = np.random.default_rng(_seed("neighbours"))
+    n_pages, Pg, B, K = 7, 3, 4, 3
+    start = 100 + int(rng.integers(0, 50))  # the ring wrapped: page 4 is the oldest, page 3 the newest
+    cold_pos = np.full(n_pages * Pg, -1, np.int32)
+    for i, p in enumerate([4, 5, 6, 0, 1, 2, 3]):
+        cold_pos[p * Pg:(p + 1) * Pg] = start + i * Pg + np.arange(Pg)
+    cold_pos[3 * Pg + 1:4 * Pg] = -1  # the newest page is partly written
+    idx = np.stack([rng.choice(n_pages, K, replace=False) for _ in range(B)]).astype(np.int32)
+    active = rng.random((B, K)) < 0.7
+    pages, act = (np.asarray(x) for x in with_neighbors(jnp.asarray(idx), jnp.asarray(active), jnp.asarray(cold_pos),
+                                                         n_pages, 1))
+    newest = {p: cold_pos[p * Pg:(p + 1) * Pg].max() for p in range(n_pages)}
+    for b in range(B):
+        want = set()
+        for p in idx[b][active[b]]:
+            want |= {q for j in (-1, 0, 1) if abs(newest[(q := (p + j) % n_pages)] - newest[p] - j * Pg) < Pg}
+        got = list(pages[b][act[b]])
+        assert sorted(got) == sorted(want), (b, got, want)  # each page once
+    assert (act.sum(1) > active.sum(1)).any()  # neighbours were added: the check is not vacuous
+
+
 def test_ties_go_to_the_more_recent_page():
     scores = jnp.zeros((1, 4))
     cold_pos = jnp.asarray([8, 9, 0, 1, 4, 5, 2, 3], jnp.int32)  # page 0 newest, then 2, 3, 1
@@ -216,7 +243,7 @@ def test_fact_probe_runs_every_arm_deterministically(tmp_path):
     text = tmp_path / "filler.txt"
     text.write_text(" ".join(np.random.default_rng(_seed("probe")).choice(["ash", "elm", "oak", "yew"], 300)))
     cfg = F.FactConfig(str(text), trials=2, n_filler=60, window=16, n_sink=2, delta=4, max_survivors=4,
-                       recall_pages=2, cold_capacity=64, page_size=4, prefill_chunk=8, gen_tokens=4)
+                       recall_pages=2, cold=rj.ColdStore(64, 4, neighbors=1), lead_max=7, prefill_chunk=8, gen_tokens=4)
     apply_fn, params = _model(0)
     tok = ByteTokenizer(CFG.vocab_size)
     a = F.run(cfg, apply_fn, params, CFG, tok, show_progress=False)
@@ -289,6 +316,7 @@ def test_quest_bound_matches_numpy_and_bounds_every_key():
     (["--recall-pages", "4", "--cold-capacity", "100"], "must be a positive multiple of --page-size 16"),
     (["--recall-pages", "300", "--cold-capacity", "64"], "exceeds the cold store's 4 pages"),
     (["--recall-pages", "4", "--page-score", "max"], "--page-score must be mean or quest"),
+    (["--recall-pages", "4", "--recall-neighbors", "-1"], "--recall-neighbors must be >= 0"),
 ])
 @pytest.mark.parametrize("script", ["decode.py", "eval_stream.py"])
 def test_recall_flags_bad_input_is_one_line(script, args, fragment):
@@ -325,3 +353,38 @@ def test_a_cold_store_larger_than_memory_is_refused_before_loading_the_weights()
                           "GiB of memory is available")
     with pytest.raises(ConfigError, match="--cold-capacity"):
         check_memory(1 << 60)
+
+
+def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
+    """Session.save / load keeps the cold store and its summaries: the continuation is token- and
+    bit-identical to an uninterrupted run, and the resumed session still recalls (the store is not empty)."""
+    from rsqr_jax.session import Session
+
+    rng = np.random.default_rng(_seed("resume"))
+    a, b = rng.integers(0, CFG.vocab_size, size=40), rng.integers(0, CFG.vocab_size, size=9)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    spec = spec_for([pol], 0, chunk=4, cold=32, neighbors=1)
+    apply_fn, params = _model(0)
+    ident = {"model": "tiny-random", "seed": 0}
+
+    def session():
+        return Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size, temperature=8.0,
+                       seed=3)
+
+    ref = session()
+    ref.feed(a)
+    want = ref.generate(6)
+    ref.feed(b)
+    want += ref.generate(6)
+    s = session()
+    s.feed(a)
+    got = s.generate(3)
+    s.save(tmp_path / "r.session", ident)
+    s = Session.load(tmp_path / "r.session", apply_fn, params, ident)
+    assert s.spec == spec and int((np.asarray(s.cache.cold_pos) >= 0).sum()) > 16
+    got += s.generate(3)
+    s.feed(b)
+    got += s.generate(6)
+    assert got == want
+    for f in ("cold_k", "cold_v", "cold_sum", "cold_pos", "win_k"):
+        np.testing.assert_array_equal(np.asarray(getattr(s.cache, f)), np.asarray(getattr(ref.cache, f)), err_msg=f)

@@ -145,6 +145,7 @@ _POLICY_FIELDS = {"window": "window", "sinks": "n_sink", "delta": "delta", "max_
 def saved_settings(header: dict) -> dict:
     """The settings (by command-line dest) a saved session fixes: policy, cache, sampler, model."""
     from rsqr_jax.policy import MODES, OVERFLOWS
+    from rsqr_jax.spec import ColdStore
 
     pol = header["policy"]
     cache_dtype = header["spec"]["dtype"]
@@ -153,8 +154,8 @@ def saved_settings(header: dict) -> dict:
             "prefill_chunk": header["prefill_chunk"], "temperature": header["temperature"],
             "top_p": header["top_p"], "seed": header["seed"], "dtype": cache_dtype, "cache_dtype": cache_dtype,
             "weights_dtype": header["identity"].get("dtype", cache_dtype),
-            **({"cold_capacity": header["spec"]["cold_capacity"], "page_size": header["spec"]["page_size"],
-                "page_score": header["spec"]["page_score"]} if header["spec"].get("cold_capacity") else {}),
+            **({"cold_capacity": cold.capacity, "page_size": cold.page_size, "page_score": cold.page_score,
+                "recall_neighbors": cold.neighbors} if (cold := ColdStore.of_spec(header["spec"])) else {}),
             "chat": bool(header["extra"].get("chat", False))}
 
 

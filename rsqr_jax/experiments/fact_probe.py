@@ -1,6 +1,7 @@
 """One fact planted far before its question, through a streaming session (what `decode.py --prompt-file`
 does): "The secret number of NAME is NUM." + n_filler tokens of a text + " The secret number of NAME is",
-prefilled in chunks and answered greedily. Correct iff NUM appears in the answer. Arms: full, rsqr, and
+prefilled in chunks and answered greedily. With lead_max > 0 a random 0..lead_max filler tokens come first,
+so the fact sits mid-stream at every alignment to the cold store's pages (it straddles page boundaries). Correct iff NUM appears in the answer. Arms: full, rsqr, and
 rsqr with the recall tier (DESIGN section 3b) - the acceptance check of the recall issue."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from rsqr_jax.experiments.common import ConfigError, progress, read_text, status, wilson, write_json_atomic
+from rsqr_jax.spec import ColdStore
 
 NAMES = ("Ada", "Boris", "Chloe", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kira", "Lars")
 ARMS = ("full", "rsqr", "rsqr_recall")
@@ -26,18 +28,15 @@ class FactConfig:
     delta: int = 8
     max_survivors: int = 64
     recall_pages: int = 4
-    cold_capacity: int = 4096
-    page_size: int = 16
-    page_score: str = "mean"
+    cold: ColdStore = ColdStore()
+    lead_max: int = 0
     prefill_chunk: int = 64
     gen_tokens: int = 12
     seed: int = 7
 
     def __post_init__(self):
-        if self.trials < 1 or self.n_filler < 1:
-            raise ConfigError("--trials and --filler-tokens must be >= 1")
-        if self.page_score not in ("mean", "quest"):
-            raise ConfigError(f"--page-score must be mean or quest, got {self.page_score!r}")
+        if self.trials < 1 or self.n_filler < 1 or self.lead_max < 0:
+            raise ConfigError("--trials and --filler-tokens must be >= 1, --lead-max >= 0")
         bad = [a for a in self.arms if a not in ARMS]
         if bad:
             raise ConfigError(f"unknown arm {bad[0]!r}: choose from {', '.join(ARMS)}")
@@ -57,8 +56,8 @@ def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_prog
     from rsqr_jax.spec import CacheSpec
 
     ids = tokenizer.encode(read_text(cfg.filler), add_special_tokens=False)
-    if len(ids) < cfg.n_filler + 2:
-        raise ConfigError(f"{cfg.filler} has {len(ids)} tokens; a trial needs {cfg.n_filler}")
+    if len(ids) < cfg.n_filler + cfg.lead_max + 2:
+        raise ConfigError(f"{cfg.filler} has {len(ids)} tokens; a trial needs {cfg.n_filler + cfg.lead_max}")
     rng = np.random.default_rng(cfg.seed)
     status(f"fact_probe: seed {cfg.seed}, {cfg.trials} trials, {cfg.n_filler} filler tokens of {cfg.filler}")
     dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
@@ -67,19 +66,20 @@ def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_prog
     bar = progress(cfg.trials * len(cfg.arms), "fact_probe", enabled=show_progress, unit="run")
     for trial in range(cfg.trials):
         name, num = NAMES[trial % len(NAMES)], str(rng.integers(1_000_000, 10_000_000))
-        off = int(rng.integers(0, len(ids) - cfg.n_filler - 1))
-        prompt = (tokenizer.encode(f"The secret number of {name} is {num}.", add_special_tokens=False)
-                  + ids[off:off + cfg.n_filler]
+        off = int(rng.integers(0, len(ids) - cfg.n_filler - cfg.lead_max - 1))
+        lead = int(rng.integers(0, cfg.lead_max + 1)) if cfg.lead_max else 0  # no draw: old seeds reproduce
+        fact = f"{' ' if lead else ''}The secret number of {name} is {num}."
+        prompt = (ids[off:off + lead] + tokenizer.encode(fact, add_special_tokens=False)
+                  + ids[off + lead:off + lead + cfg.n_filler]
                   + tokenizer.encode(f" The secret number of {name} is", add_special_tokens=False))
         for arm in cfg.arms:
             pol = cfg.policy(arm)
-            cold = (dict(cold_capacity=cfg.cold_capacity, page_size=cfg.page_size, page_score=cfg.page_score)
-                    if arm == "rsqr_recall" else {})
+            cold = cfg.cold.spec_kwargs() if arm == "rsqr_recall" else {}
             spec = CacheSpec.for_policies(pol, max_len=len(prompt) + max(16, cfg.gen_tokens), **cold, **dims)
             s = Session(apply_fn, params, spec, pol, prefill_chunk=cfg.prefill_chunk)
             s.feed(prompt)
             answer = tokenizer.decode(s.generate(cfg.gen_tokens))
-            records.append({"trial": trial, "arm": arm, "number": num, "prompt_tokens": len(prompt),
+            records.append({"trial": trial, "arm": arm, "number": num, "prompt_tokens": len(prompt), "lead": lead,
                             "answer": answer, "correct": num in answer})
             bar.update(1)
     bar.close()

@@ -16,7 +16,7 @@ from rsqr_jax.engine import stream_nll
 from rsqr_jax.experiments.common import (ConfigError, Timer, check_finite, check_stream_shape, ppl, ppl_curve, progress,
                                          read_text, read_tokens, status, write_json_atomic)
 from rsqr_jax.policy import Policy
-from rsqr_jax.spec import CacheSpec, host_policies
+from rsqr_jax.spec import CacheSpec, ColdStore, host_policies
 
 
 class Model(NamedTuple):
@@ -31,15 +31,14 @@ class Model(NamedTuple):
     path: str = ""
 
 
-def cache_spec(model: Model, policies, *, chunk: int, max_len: int, cold_capacity: int = 0,
-               page_size: int = 16, page_score: str = "mean") -> CacheSpec:
-    """The smallest cache spec of `model` that holds every policy of `policies` (one or a list); a cold
-    store of cold_capacity tokens (recall tier) when a policy recalls."""
+def cache_spec(model: Model, policies, *, chunk: int, max_len: int, cold: ColdStore = ColdStore()) -> CacheSpec:
+    """The smallest cache spec of `model` that holds every policy of `policies` (one or a list), with the
+    cold store `cold` (recall tier) when a policy recalls."""
     cfg = model.config
     recalls = any(h["recall_pages"] for h in host_policies(policies))
-    cold = dict(cold_capacity=cold_capacity, page_size=page_size, page_score=page_score) if recalls else {}
     return CacheSpec.for_policies(policies, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, dtype=model.dtype, max_chunk=chunk, max_len=max_len, **cold)
+                                  head_dim=cfg.head_dim, dtype=model.dtype, max_chunk=chunk, max_len=max_len,
+                                  **(cold.spec_kwargs() if recalls else {}))
 
 
 class Interrupted(KeyboardInterrupt):
@@ -151,9 +150,7 @@ class StreamConfig:
     chunk: int = 1
     segment: int = 256
     bucket: int = 1000
-    cold_capacity: int = 4096
-    page_size: int = 16
-    page_score: str = "mean"
+    cold: ColdStore = ColdStore()
 
     def __post_init__(self):
         check_stream_shape(self.tokens, self.chunk, self.segment, self.bucket)
@@ -194,8 +191,7 @@ def run_stream(config: StreamConfig, model: Model, *, check_memory: Callable[[in
     cache before it is allocated."""
     ids_T = read_tokens(model.tokenizer, config.text, config.tokens)
     policy = config.policy
-    spec = cache_spec(model, policy, chunk=config.chunk, max_len=config.tokens, cold_capacity=config.cold_capacity,
-                      page_size=config.page_size, page_score=config.page_score)
+    spec = cache_spec(model, policy, chunk=config.chunk, max_len=config.tokens, cold=config.cold)
     cache_bytes = spec.bytes_by_part(policy)
     if check_memory is not None:
         check_memory(cache_bytes["total"])
