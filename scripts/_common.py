@@ -34,8 +34,13 @@ def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr")
     g.add_argument("--max-survivors", type=int, default=64, help="cap on non-sink survivors")
     g.add_argument("--block", type=int, default=1, help="eviction block size")
     g.add_argument("--overflow", default="fifo", help="fifo or decimate")
-    g = p.add_argument_group("recall tier (rsqr, streamingllm)")
-    g.add_argument("--recall-pages", type=int, default=0,
+    add_recall_args(p)
+
+
+def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int = 0, what: str = "") -> None:
+    """The recall tier's flags (DESIGN section 3b); `what` says which arm they apply to, if not --policy."""
+    g = p.add_argument_group("recall tier (rsqr, streamingllm)" + (f": {what}" if what else ""))
+    g.add_argument("--recall-pages", type=int, default=default_pages,
                    help="cold pages each layer recalls per step (0 = off; DESIGN section 3b)")
     g.add_argument("--cold-capacity", type=int, default=4096,
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")

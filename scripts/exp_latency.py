@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 
-from _common import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load_model_from_args, run_main
+from _common import (DEFAULT_TEXT, Parser, add_model_args, add_recall_args, check_model_args, cold_store_from_args,
+                     load_model_from_args, run_main)
 
 from rsqr_jax.experiments import latency as L
 from rsqr_jax.experiments.common import status
@@ -43,6 +44,7 @@ def build_parser() -> Parser:
     p.add_argument("--png", default=None, help="plot path (default: OUT/latency.png; '' = no plot)")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_recall_args(p, default_pages=4, what="the rsqr_recall arm")
     add_model_args(p)
     return p
 
@@ -50,12 +52,16 @@ def build_parser() -> Parser:
 def main() -> int:
     args = build_parser().parse_args()
     check_model_args(args)
+    from rsqr_jax.spec import ColdStore
+
+    cold = cold_store_from_args(args) or ColdStore()
     config = L.LatencyConfig(text=args.text, positions=tuple(args.positions), steps=args.steps,
                              replay_steps=args.replay_steps, full_max=args.full_max, policies=tuple(args.policies),
                              window=args.window, sinks=args.sinks, delta=args.delta,
                              max_survivors=args.max_survivors, sweep_position=args.sweep_position,
                              sweep_steps=args.sweep_steps, no_sweep=args.no_sweep, seed=args.seed,
-                             dtype=args.dtype, progress=not args.no_progress)
+                             dtype=args.dtype, progress=not args.no_progress, recall_pages=args.recall_pages,
+                             cold=cold)
     config = config.quick() if args.quick else config
     config.check()  # before the model loads
     loaded, apply_fn, params = load_model_from_args(args)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 
-from _common import DEFAULT_TEXT, Parser, UsageError, run_main
+from _common import DEFAULT_TEXT, Parser, UsageError, add_recall_args, cold_store_from_args, run_main
 
 
 def build_parser() -> Parser:
-    from rsqr_jax.experiments.ppl import ALL, BF16_DEFAULT, DEFAULT_CELL_TOKENS
+    from rsqr_jax.experiments.ppl import ALL, BF16_DEFAULT, DEFAULT, DEFAULT_CELL_TOKENS
 
     cell_default = ",".join(f"{w}/{d}={n}" for (w, d), n in DEFAULT_CELL_TOKENS.items())
     p = Parser(description=__doc__.splitlines()[0])
@@ -31,7 +31,8 @@ def build_parser() -> Parser:
     p.add_argument("--tokens", type=int, default=None, help="tokens streamed per cell (default 4096; --quick 512)")
     p.add_argument("--windows", default=None, help="comma-separated windows W (default 256,1024; --quick 64)")
     p.add_argument("--dtypes", default=None, help="comma-separated: float32, bfloat16 (default both; --quick float32)")
-    p.add_argument("--policies", default=",".join(ALL), help=f"float32 cells: comma-separated subset of {','.join(ALL)}")
+    p.add_argument("--policies", default=",".join(DEFAULT),
+                   help=f"float32 cells: comma-separated subset of {','.join(ALL)}")
     p.add_argument("--bf16-policies", default=",".join(BF16_DEFAULT),
                    help="bfloat16 cells: subset as for --policies, or 'same' (= --policies)")
     p.add_argument("--cell-tokens", default=None,
@@ -47,6 +48,7 @@ def build_parser() -> Parser:
     p.add_argument("--segment", type=int, default=256, help="tokens per jitted call")
     p.add_argument("--piece-segments", type=int, default=8,
                    help="segments per piece: the unit kept when a run is interrupted (SIGTERM/Ctrl-C)")
+    add_recall_args(p, default_pages=4, what="the rsqr_recall arm")
     p.add_argument("--quick", action="store_true", help="tiny configuration for CI")
     p.add_argument("--out", default=None, help="output directory (default runs/exp_ppl[_quick])")
     p.add_argument("--plot", default=None, help="PNG path (default OUT/exp_ppl.png)")
@@ -87,7 +89,10 @@ def _cell_tokens(s: str | None) -> dict | None:
 def config_from_args(args):
     from rsqr_jax.experiments.ppl import PplConfig
 
+    from rsqr_jax.spec import ColdStore
+
     pols = tuple(x for x in args.policies.split(",") if x)
+    cold = cold_store_from_args(args) or ColdStore()
     bf16 = pols if args.bf16_policies == "same" else tuple(x for x in args.bf16_policies.split(",") if x)
     return PplConfig.make(
         args.text, quick=args.quick, tokens=args.tokens, windows=args.windows and _ints(args.windows, "--windows"),
@@ -95,7 +100,7 @@ def config_from_args(args):
         cell_tokens=_cell_tokens(args.cell_tokens), sinks=args.sinks, delta=args.delta,
         max_survivors=args.max_survivors, full_tokens=args.full_tokens, full_chunk=args.full_chunk,
         replay_tokens=args.replay_tokens, replay_block=args.replay_block, bucket=args.bucket, segment=args.segment,
-        piece_segments=args.piece_segments)
+        piece_segments=args.piece_segments, recall_pages=args.recall_pages, cold=cold)
 
 
 def load(dtype: str):

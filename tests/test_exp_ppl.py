@@ -185,6 +185,24 @@ def test_config_defaults_and_refusals():
         quick.tokens = 3
 
 
+def test_recall_arm_rides_in_the_vmapped_cell(tmp_path):
+    """rsqr_recall (named, not in the default grid) shares the cell's vmapped stream; with a cold store that
+    keeps every evicted token and every page recalled it equals full (DESIGN section 3b), unlike plain rsqr."""
+    from rsqr_jax.spec import ColdStore
+
+    text = write_text(tmp_path / "t.txt")
+    config = PplConfig(text, tokens=64, windows=(16,), dtypes=("float32",), cell_tokens=(), sinks=2, delta=4,
+                       max_survivors=4, full_tokens=64, full_chunk=16, bucket=32, segment=16,
+                       policies=("full", "rsqr", "rsqr_recall"), recall_pages=16, cold=ColdStore(64, 4))
+    assert "rsqr_recall" not in PplConfig("t.txt").policies
+    result = ppl.run(config, load, show_progress=False)
+    (cell,) = result.cells
+    assert [t["label"] for t in result.data["timings"]] == ["full float32", "W=16 float32"]
+    np.testing.assert_allclose(cell["nll"]["rsqr_recall"], cell["nll"]["full"], atol=5e-5, rtol=0)
+    assert np.abs(cell["nll"]["rsqr"] - cell["nll"]["full"]).max() > 0.05
+    assert result.data["config"]["cold"]["capacity"] == 64
+
+
 def run_script(*args, timeout=600):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_ppl.py"), *args], cwd=ROOT, env=env,

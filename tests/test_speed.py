@@ -32,6 +32,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.sampling import sample
 from rsqr_jax.experiments import bench_decode as B
 from rsqr_jax.experiments import latency as L
+from rsqr_jax.spec import ColdStore
 from rsqr_jax.session import Session
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 from rsqr_jax.testing.tokenizer import ByteTokenizer
@@ -178,11 +179,14 @@ def test_latency_run_on_the_tiny_model(tmp_path):
     (tmp_path / "t.txt").write_text(TEXT)
     N, cap = 2, 4
     config = L.LatencyConfig(text=str(tmp_path / "t.txt"), positions=(40, 90), steps=8, replay_steps=8, full_max=40,
-                             policies=("full", "rsqr", "replay_b8"), window=16, sinks=N, delta=3, max_survivors=cap,
-                             no_sweep=True, progress=False)
+                             policies=("full", "rsqr", "replay_b8", "rsqr_recall"), window=16, sinks=N, delta=3,
+                             max_survivors=cap, no_sweep=True, progress=False, recall_pages=2, cold=ColdStore(32, 4))
     res = L.run(config, apply_fn, params, CFG, ByteTokenizer(CFG.vocab_size))
     pols = res.data["policies"]
-    assert list(pols) == ["full", "rsqr", "replay_b8"]
+    assert list(pols) == ["full", "rsqr", "replay_b8", "rsqr_recall"]
+    for r in pols["rsqr_recall"]["probes"]:  # + 2 recalled pages of 4 (>= 22 recallable tokens at 40)
+        assert r["rotations_per_token"]["attention"] == N + cap + 8
+    assert pols["rsqr_recall"]["cache_bytes"]["cold_store"] > 0 == pols["rsqr"]["cache_bytes"]["cold_store"]
     (full,) = pols["full"]["probes"]  # full_max = 40: the 90 probe is skipped
     assert full["position"] == 40 and full["n_cached_mean"] == 44.5  # 41..48 cached over the 8 steps
     assert full["rotations_per_token"]["total"] == 1 and full["win_capacity"] == 64

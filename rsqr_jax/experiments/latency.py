@@ -31,7 +31,7 @@ from rsqr_jax.cache import init_cache
 from rsqr_jax.experiments.common import ConfigError, progress, read_text, status, write_json_atomic
 from rsqr_jax.policy import Policy, make_policy, window_start
 from rsqr_jax.session import Session
-from rsqr_jax.spec import CacheSpec
+from rsqr_jax.spec import CacheSpec, ColdStore
 from rsqr_jax.update import commit, plan_step
 
 # name -> (mode, overrides of the base policy)
@@ -45,6 +45,7 @@ POLICIES = {
     "rsqr": ("rsqr", {}),
     "rsqr_precompute": ("rsqr_precompute", {}),
     "replay_b8": ("replay", {"block": 8}),
+    "rsqr_recall": ("rsqr", {"recall": True}),  # + the recall tier (LatencyConfig.recall_pages, .cold)
 }
 
 # tail sweep: (name, mode, overrides) measured at one steady-state position
@@ -80,6 +81,8 @@ class LatencyConfig:
     seed: int = 0
     dtype: str = "float32"
     progress: bool = True
+    recall_pages: int = 4
+    cold: ColdStore = ColdStore()
 
     def quick(self) -> "LatencyConfig":
         """The small CI run: positions 512 and 2048, W=128, 24 steps, no sweep."""
@@ -97,7 +100,10 @@ class LatencyConfig:
 
     def policy(self, mode: str, overrides: dict) -> Policy:
         kw = dict(window=self.window, n_sink=self.sinks, delta=self.delta, max_survivors=self.max_survivors, block=1)
-        return make_policy(mode, **(kw | overrides))
+        over = dict(overrides)
+        if over.pop("recall", False):
+            over["recall_pages"] = self.recall_pages
+        return make_policy(mode, **(kw | over))
 
 
 def round_up(n: int, m: int = 64) -> int:
@@ -131,6 +137,7 @@ def trace(cache, policy: Policy, n_steps: int) -> dict:
             "release": i32(window_start(nxt["t"], policy.window, policy.block, c.start)
                            != window_start(c.t, policy.window, policy.block, c.start)),
             "dropped": i32(jnp.sum((c.surv_pos >= 0) & (nxt["surv_pos"] < 0))),
+            "recallable": i32(jnp.sum(plan.recall.token_valid_Nc)),
         }
         return c.replace(**nxt), out
 
@@ -148,12 +155,13 @@ def bookkeeping() -> Bookkeeping:
     return Bookkeeping(jax.jit(advance, donate_argnums=(0,)), jax.jit(trace, static_argnums=(2,)))
 
 
-def rotation_counts(mode: str, tr: dict) -> dict:
-    """Keys rotated per step (per layer and KV head), split by where the work happens."""
-    n_cached = tr["n_window"] + tr["n_surv"]
+def rotation_counts(mode: str, tr: dict, recall_slots: int = 0) -> dict:
+    """Keys rotated per step (per layer and KV head), split by where the work happens. With recall, the
+    attention count includes the recalled tokens at their most (recall_slots, or every recallable token)."""
+    n_cached = tr["n_window"] + tr["n_surv"] + np.minimum(recall_slots, tr["recallable"])
     write = np.where(mode == "streamingllm", 0, 1) + (tr["new_surv"] if mode in ("leave_gaps", "rerotate", "replay")
                                                       else 0)
-    attn = {"streamingllm": n_cached, "rsqr": tr["n_surv"]}.get(mode, np.zeros_like(n_cached))
+    attn = {"streamingllm": n_cached, "rsqr": n_cached - tr["n_window"]}.get(mode, np.zeros_like(n_cached))
     upkeep = tr["hops"] + tr["refresh"] + (tr["replay"] * n_cached if mode == "replay" else 0)
     return {"write": write, "attention": attn, "upkeep": upkeep, "total": write + attn + upkeep,
             "n_cached": n_cached, "event": upkeep > 0}
@@ -161,9 +169,9 @@ def rotation_counts(mode: str, tr: dict) -> dict:
 
 def randomize_kv(cache, seed: int):
     """Random K/V values (the step's cost does not depend on them)."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     upd = {}
-    for k, name in zip(keys, ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot")):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 8)
+    for k, name in zip(keys, ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold_k", "cold_v", "cold_sum")):
         x = getattr(cache, name)
         upd[name] = (0.5 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
     return cache.replace(**upd)
@@ -204,9 +212,11 @@ def memory_table(cfg: LatencyConfig, model_config) -> list[dict]:
     return out
 
 
-def _spec(pol: Policy, model_config, dtype: str, max_len: int = 0) -> CacheSpec:
+def _spec(pol: Policy, model_config, dtype: str, max_len: int = 0, cold: ColdStore = ColdStore()) -> CacheSpec:
+    recalls = int(np.asarray(pol.recall_pages)) > 0
     return CacheSpec.for_policies(pol, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                                  head_dim=model_config.head_dim, dtype=dtype, max_chunk=1, max_len=max_len)
+                                  head_dim=model_config.head_dim, dtype=dtype, max_chunk=1, max_len=max_len,
+                                  **(cold.spec_kwargs() if recalls else {}))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,7 +312,7 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
     jump = bookkeeping()  # compiled once per run
 
     def session(pol: Policy, max_len: int = 0):
-        spec = _spec(pol, model_config, config.dtype, max_len)
+        spec = _spec(pol, model_config, config.dtype, max_len, config.cold)
         s = Session(apply_fn, params, spec, pol, prefill_chunk=1)
         t0 = time.perf_counter()
         s.feed([0])  # compiles the one-token step (Session.warmup would also compile the unused generate)
@@ -318,7 +328,7 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
         s.cache = jump.advance(s.cache, s.policy, position - 1 - t)
         nxt = s.feed([int(text_ids[position % len(text_ids)])])  # untimed: the step into `position`
         tr = {k: np.asarray(v) for k, v in jump.trace(s.cache, s.policy, n_steps).items()}
-        rot = rotation_counts(mode, tr)
+        rot = rotation_counts(mode, tr, s.spec.recall_slots)
         start = s.n_tokens
         ms, cpu = np.zeros(n_steps), np.zeros(n_steps)
         for i in range(n_steps):

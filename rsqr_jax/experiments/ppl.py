@@ -21,9 +21,13 @@ from rsqr_jax import policy as P
 from rsqr_jax.experiments.common import (ConfigError, Timer, block_bootstrap, check_finite, ppl, ppl_curve,
                                          read_tokens, status, write_json_atomic)
 from rsqr_jax.experiments.streams import Interrupted, Model, stream_policies
+from rsqr_jax.spec import ColdStore
 
-VMAPPED = ("window", "streamingllm", "leave_gaps", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute")
+VMAPPED = ("window", "streamingllm", "leave_gaps", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute", "rsqr_recall")
 ALL = ("full",) + VMAPPED + ("replay",)
+# rsqr_recall (rsqr + the recall tier) is asked for by name: its cold store is allocated for every policy of
+# its cell (they share one vmapped cache).
+DEFAULT = tuple(k for k in ALL if k != "rsqr_recall")
 # bfloat16 is ~3x slower per step than float32 on XLA:CPU: by default its cells run the rank-timeline
 # policies whose numerics differ (rotation in the storage dtype) and fewer tokens.
 BF16_DEFAULT = ("streamingllm", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute")
@@ -36,13 +40,14 @@ class PplConfig:
     """tokens T per cell (cell_tokens: ((W, dtype), T) overrides); policies / bf16_policies: the subsets of
     ALL run in float32 / bfloat16 cells; N sinks, delta, S max survivors (fifo); full_tokens (resolved cap,
     <= tokens), replay_tokens (None: W + 512, quick W + 96), bucket: tokens per curve point; segment: tokens
-    per jitted call; piece_segments: segments per piece, the unit an interruption keeps."""
+    per jitted call; piece_segments: segments per piece, the unit an interruption keeps; recall_pages / cold:
+    the recall tier of the rsqr_recall arm."""
 
     text: str
     tokens: int = 4096
     windows: tuple[int, ...] = (256, 1024)
     dtypes: tuple[str, ...] = DTYPES
-    policies: tuple[str, ...] = ALL
+    policies: tuple[str, ...] = DEFAULT
     bf16_policies: tuple[str, ...] = BF16_DEFAULT
     cell_tokens: tuple[tuple[tuple[int, str], int], ...] = tuple(DEFAULT_CELL_TOKENS.items())
     sinks: int = 4
@@ -55,6 +60,8 @@ class PplConfig:
     bucket: int = 1000
     segment: int = 256
     piece_segments: int = 8
+    recall_pages: int = 4
+    cold: ColdStore = ColdStore()
     quick: bool = False
 
     @classmethod
@@ -107,6 +114,8 @@ class PplConfig:
             return P.make_policy("rerotate", window=W, block=8, **kw)
         if key == "replay":
             return P.make_policy("replay", window=W, block=self.replay_block, **kw)
+        if key == "rsqr_recall":
+            return P.make_policy("rsqr", window=W, recall_pages=self.recall_pages, **kw)
         return P.make_policy(key, window=W, **kw)
 
     def to_json(self) -> dict:
@@ -116,7 +125,9 @@ class PplConfig:
                 "sinks": self.sinks, "delta": self.delta, "max_survivors": self.max_survivors, "overflow": "fifo",
                 "full_tokens": self.full_tokens, "full_chunk": self.full_chunk,
                 "replay_tokens": {str(W): self.replay_T(W, self.tokens) for W in self.windows},
-                "replay_block": self.replay_block, "bucket": self.bucket, "quick": self.quick}
+                "replay_block": self.replay_block, "bucket": self.bucket, "quick": self.quick,
+                **({"recall_pages": self.recall_pages, "cold": dataclasses.asdict(self.cold)}
+                   if "rsqr_recall" in self.policies + self.bf16_policies else {})}
 
 
 @dataclasses.dataclass
@@ -186,7 +197,7 @@ def run(config: PplConfig, load: Callable[[str], Model], *, show_progress: bool 
                     runs = {} if full_run is None else {"full": full_run}
                     batch = {k: c.make_policy(k, W) for k in VMAPPED if k in c.pols(dtype)}
                     if batch:
-                        nll, tm = stream_policies(model, ids_T, batch, label=f"W={W} {dtype}", **kw)
+                        nll, tm = stream_policies(model, ids_T, batch, label=f"W={W} {dtype}", cold=c.cold, **kw)
                         runs.update(nll)
                         timings.append(tm)
                     if "replay" in c.pols(dtype):

@@ -52,9 +52,10 @@ class Interrupted(KeyboardInterrupt):
 
 
 def stream_policies(model: Model, ids_T, policies: dict[str, Policy], *, chunk: int = 1, segment: int = 256,
-                    label: str = "", piece_segments: int = 8, show_progress: bool = True) -> tuple[dict, dict]:
-    """Stream ids_T through every policy of {key: Policy} in ONE vmapped stream_nll evaluation.
-    Returns ({key: per-token NLL float64 [T-1]}, timing dict).
+                    label: str = "", piece_segments: int = 8, show_progress: bool = True,
+                    cold: ColdStore = ColdStore()) -> tuple[dict, dict]:
+    """Stream ids_T through every policy of {key: Policy} in ONE vmapped stream_nll evaluation (with the
+    cold store `cold` if a policy recalls). Returns ({key: per-token NLL float64 [T-1]}, timing dict).
 
     The stream is fed in pieces of piece_segments * segment scored tokens, the cache carried from piece to
     piece (exactly the same computation: only the last piece is padded); an interruption (KeyboardInterrupt;
@@ -63,7 +64,7 @@ def stream_policies(model: Model, ids_T, policies: dict[str, Policy], *, chunk: 
     pols = [policies[k] for k in keys]
     vmap = len(pols) > 1
     batch = P.stack_policies(pols) if vmap else pols[0]
-    spec = cache_spec(model, pols, chunk=chunk, max_len=len(ids_T))
+    spec = cache_spec(model, pols, chunk=chunk, max_len=len(ids_T), cold=cold)
     n = len(ids_T) - 1
     piece = max(1, piece_segments) * segment
     t_seg = [time.perf_counter()]  # segment end times: first-segment (compile) and steady per-token timing
