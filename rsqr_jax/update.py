@@ -286,7 +286,8 @@ def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Arra
     """Write this chunk's K/V of layer `layer` and run the policy's upkeep on that layer.
 
     Returns the cache (only K/V arrays change: dynamic-update-slices of the scan carry, in place under
-    jit) and this layer's kernel segments (win_k, win_v, seg_k, seg_v), each [B, Hkv, N, D].
+    jit), this layer's kernel segments (win_k, win_v, seg_k, seg_v), each [B, Hkv, N, D], and with a cold
+    store this layer's page summaries (`_write_cold`; None without one).
     """
     wr, up = plan.writes, plan.upkeep
     dt = _logical_dtype(cache.win_k)
@@ -334,35 +335,45 @@ def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Arra
     if surv_k_rot.shape[3]:
         seg_surv_k = jax.lax.cond(up.use_precompute, lambda: _get(surv_k_rot, layer), lambda: seg_surv_k)
     cache = cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v, surv_k_rot=surv_k_rot)
+    summaries = None
     if cache.cold_pos.shape[0]:
-        cache = _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache, plan, inv_freq)
-    return cache, (seg_win_k, _get(win_v, layer), seg_surv_k, _get(surv_v, layer))
+        cache, summaries = _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache, plan, inv_freq)
+    return cache, (seg_win_k, _get(win_v, layer), seg_surv_k, _get(surv_v, layer)), summaries
 
 
-def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> KVCache:
+def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
     """The chunk's raw K/V into the cold ring, and each page's summary of its keys rotated at their global
     positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
-    the stored key stays raw. A restarted page's summary starts afresh."""
+    the stored key stays raw. A restarted page's summary starts afresh.
+
+    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], which recall
+    scores. The layer's summary is read once, updated at the chunk's pages and written back whole: had recall
+    read the [L, ...] buffer after a scatter into it, XLA's fusion inside the generation loop would keep
+    the pre-scatter buffer alive and copy all layers' summaries twice per layer (5.7 GB per token for
+    SmolLM2 with a 64k-token store)."""
     wr = plan.writes
     at = (layer, slice(None), slice(None), wr.cold_slot_C)
     cold_k = _set(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
     cold_v = _set(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
     rot_BxHxCxD = _rotate_BxHxNxD(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
     n_pages = cache.cold_sum.shape[3]
-    # Scatters into the whole [L, ...] summary at this layer and the chunk's pages only (O(chunk) per step;
-    # out-of-range pages, i.e. tokens not stored, are dropped): reset the pages the chunk starts, then combine.
-    restart = (layer, slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
-    page = (layer, slice(None), slice(None), wr.cold_page_C)
-    rot_CxBxHxD = jnp.moveaxis(rot_BxHxCxD, 2, 0)
+    # Out-of-range pages (tokens not stored) are dropped: reset the pages the chunk starts, then combine.
+    restart = (slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
+    page = (slice(None), slice(None), wr.cold_page_C)
 
     def summarize(buf, reset, combine):
-        buf = buf.at[restart].set(reset, mode="drop")
-        return getattr(buf.at[page], combine)(rot_CxBxHxD, mode="drop")
+        mine = buf[layer].at[restart].set(reset, mode="drop")
+        mine = getattr(mine.at[page], combine)(rot_BxHxCxD, mode="drop")
+        return buf.at[layer].set(mine), mine
 
-    out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=summarize(cache.cold_sum, 0.0, "add"))
+    cold_sum, layer_sum = summarize(cache.cold_sum, 0.0, "add")
+    out, summaries = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum), (layer_sum, cache.cold_lo[layer],
+                                                                            cache.cold_hi[layer])
     if cache.cold_lo.shape[3]:
-        out.update(cold_lo=summarize(cache.cold_lo, jnp.inf, "min"), cold_hi=summarize(cache.cold_hi, -jnp.inf, "max"))
-    return cache.replace(**out)
+        (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
+                                                      summarize(cache.cold_hi, -jnp.inf, "max"))
+        summaries = (layer_sum, lo, hi)
+    return cache.replace(**out), summaries
 
 
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
@@ -372,15 +383,15 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     Returns the attention output [B, C, Hq, D] and the cache; positions are committed once per step
     by `step` (from `plan.next`), not here.
     """
-    cache, (win_k, win_v, surv_k, surv_v) = update_layer(layer, k_BxCxHkvxD, v_BxCxHkvxD, cache, plan, inv_freq)
+    cache, (win_k, win_v, surv_k, surv_v), summaries = update_layer(layer, k_BxCxHkvxD, v_BxCxHkvxD, cache, plan,
+                                                                    inv_freq)
     ka = plan.kernel
     B = q_BxCxHqxD.shape[0]
     bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
     surv_rot_pos, surv_valid, q_pos_surv = bc(ka.surv_rot_pos_S), bc(ka.surv_valid_S), bc(ka.q_pos_surv_C)
     if plan.recall.max_pages:  # the recall tier (rsqr_jax.recall)
-        rec = recalled_tokens(q_BxCxHqxD, lambda slots: _gather_slots(cache, layer, slots), cache.cold_sum[layer],
-                              cache.cold_lo[layer], cache.cold_hi[layer], plan.next.cold_pos, plan.recall,
-                              ka.surv_valid_S, inv_freq)
+        rec = recalled_tokens(q_BxCxHqxD, lambda slots: _gather_slots(cache, layer, slots), *summaries,
+                              plan.next.cold_pos, plan.recall, ka.surv_valid_S, inv_freq)
         surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv = extend_raw_segment(
             surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv, plan.recall, *rec)
     out = attention.attend(q_BxCxHqxD, win_k, win_v, bc(ka.win_pos_W), surv_k, surv_v, surv_rot_pos, surv_valid,
