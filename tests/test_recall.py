@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -388,3 +389,23 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
     assert got == want
     for f in ("cold_k", "cold_v", "cold_sum", "cold_pos", "win_k"):
         np.testing.assert_array_equal(np.asarray(getattr(s.cache, f)), np.asarray(getattr(ref.cache, f)), err_msg=f)
+
+
+def test_the_generation_loop_copies_no_whole_store():
+    """The compiled generation loop with recall copies neither the cold store nor all layers' page summaries
+    per step (XLA did, 2 x L summary copies per layer, when recall read the [L, ...] buffer after a scatter
+    into it: O(L^2 x store) bytes per token). Checked on the optimized HLO."""
+    from rsqr_jax import engine
+
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    spec = spec_for([pol], 0, cold=1 << 16, page=16)  # XLA's choice depends on sizes: a large store
+    apply_fn, params = _model(0)
+    dec = rj.Decoder(apply_fn, spec, fixed_policy=engine.policy_values(pol))
+    cache = jax.eval_shape(dec.init_cache)  # compiled, never allocated
+    hlo = engine._generate.lower(dec, params, cache, pol, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0),
+                                 jnp.float32(0), jnp.float32(1), jnp.int32(4), jnp.asarray([-1], jnp.int32)
+                                 ).compile().as_text()
+    L, H, D, n = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, spec.cold_slots
+    whole = [f"f32[{L},1,{H},{n // 16},{D}]", f"f32[{L},1,{H},{n},{D}]"]
+    copies = [ln for ln in hlo.splitlines() if " copy(" in ln and any(f"= {w}" in ln for w in whole)]
+    assert f"{whole[0]}" in hlo and not copies, copies
