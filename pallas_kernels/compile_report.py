@@ -302,19 +302,31 @@ def versions() -> dict:
     return meta
 
 
-def run(names: tuple[str, ...], out_dir: str | None, log=print) -> dict:
-    """Compile each named configuration; write compile_report.json / .md under out_dir; return the report."""
+def _compile_named(name: str, work_dir: str) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    os.makedirs(work_dir)
+    return compile_config(CONFIG_BY_NAME[name], work_dir)
+
+
+def run(names: tuple[str, ...], out_dir: str | None, log=print, jobs: int = 1) -> dict:
+    """Compile each named configuration (in `jobs` worker processes: ptxas and lowering are single-threaded);
+    write compile_report.json / .md under out_dir; return the report (rows in the order of names)."""
     t0 = time.perf_counter()
-    report = {"meta": versions(), "default": list(DEFAULT), "rows": []}
+    report = {"meta": versions(), "default": list(DEFAULT), "rows": [], "jobs": jobs}
     with tempfile.TemporaryDirectory(prefix="rsqr_compile_") as tmp:
         os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(tmp, "triton_cache"))
-        for name in names:
-            work = os.path.join(tmp, name)
-            os.makedirs(work)
-            row = compile_config(CONFIG_BY_NAME[name], work)
+        work = [os.path.join(tmp, n) for n in names]
+        if jobs > 1:
+            import concurrent.futures
+            import multiprocessing
+
+            with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+                rows = ex.map(_compile_named, names, work)
+        else:
+            rows = map(_compile_named, names, work)
+        for name, row in zip(names, rows):
             report["rows"].append(row)
             if "error" in row:
                 log(f"  {name}: ERROR {row['error'].splitlines()[0][:300]}")
@@ -344,6 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout (progress to stderr)")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes (default 2)")
     args = ap.parse_args(argv)
     if args.list:
         for c in CONFIGS:
@@ -359,7 +372,10 @@ def main(argv=None) -> int:
         (lambda *a: print(*a, flush=True))
     meta = versions()
     log(f"H200 compile report: jax {meta['jax']}, triton {meta.get('triton')}, {meta.get('ptxas', '')}")
-    report = run(names, args.out, log)
+    if args.jobs < 1:
+        print(f"compile_report: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    report = run(names, args.out, log, jobs=min(args.jobs, len(names)))
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if k != "table_md"}))
     else:

@@ -43,7 +43,7 @@ if [ ! -f "$stamp" ]; then
   PY312="$(find_python312)" || { echo "gpu_compile_check: error: no Python 3.12 found (set RSQR_PY312)" >&2; exit 2; }
   echo "gpu_compile_check: building $VENV with $PY312 ($PINS)" >&2
   rm -rf "$VENV"
-  if ! { "$PY312" -m venv "$VENV" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check $PINS; }; then
+  if ! { "$PY312" -m venv "$VENV" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile $PINS; }; then
     echo "gpu_compile_check: error: could not build $VENV" >&2; exit 2
   fi
   touch "$stamp"
