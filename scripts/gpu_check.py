@@ -1,31 +1,30 @@
-"""GPU check of pallas_kernels.survivor_attention: correctness first, then device-side timing.
+"""One phase of the GPU check of pallas_kernels.survivor_attention (rsqr_jax.experiments.gpu_check).
 
-    bash scripts/gpu_check.sh                 # on a GPU machine (writes $OUT/gpu_check.json)
-    python scripts/gpu_check.py --cpu-smoke   # tiny sizes, interpret=True: proves this script runs
+    bash scripts/gpu_check.sh                       # all three phases, each its own process (on the GPU)
+    python scripts/gpu_check.py --phase gate --out DIR [--cpu-dry-run]
 
-Sections (correctness, copy bandwidth, timing, tuning) and their cases: rsqr_jax.experiments.gpu_check;
-inputs and the float64 oracle: rsqr_jax.testing.kernel. A table is printed last. Every section is
-guarded: a failure is recorded in the JSON, not fatal, except that a correctness failure makes the exit
-status 1.
+Phases: gate (versions, devices, one bf16 decode case, variants tried in turn), correctness (kernel vs
+float64), timing (device-side, HBM-sized, one JSON row at a time). Exit status: 0 pass, 1 fail, 2 bad
+input, 3 no GPU backend (gate only). --cpu-dry-run: tiny sizes, interpret=True, any backend.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
-from rsqr_jax.experiments.gpu_check import run_check
+from _common import Parser, run_main
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes with interpret=True on CPU")
-    ap.add_argument("--budget", type=float, default=420.0, help="seconds before optional parts are skipped")
+    from rsqr_jax.experiments.gpu_check import PHASES, GpuCheckConfig, run_phase
+
+    ap = Parser(description=__doc__)
+    ap.add_argument("--phase", required=True, help=" | ".join(PHASES))
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"), help="folder for <phase>.json")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes with interpret=True on any backend")
     args = ap.parse_args()
-    return run_check(args.out, smoke=args.cpu_smoke, budget_s=args.budget)
+    return run_phase(GpuCheckConfig(phase=args.phase, out_dir=args.out, dry_run=args.cpu_dry_run))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
