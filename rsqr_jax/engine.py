@@ -125,7 +125,9 @@ class Decoder:
         the stream axis of those marked 0 in stream_axis_of, when vmap_streams)."""
         if self.vmap_policies:
             return jax.vmap(fn, in_axes=policy_axis_of)
-        if self.vmap_streams and stream_axis_of is not None:
+        if self.vmap_streams:
+            if stream_axis_of is None:
+                raise ValueError("a vmap_streams Decoder runs feed_streams / generate_streams only")
             return jax.vmap(fn, in_axes=stream_axis_of)
         return fn
 
@@ -240,8 +242,8 @@ def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, 
 
 @_jit(donate=3)
 def _feed_and_sample(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p):
-    if dec.vmap_policies:
-        raise ValueError("feed_and_sample runs one policy (vmap_policies=False)")
+    if dec.vmap_policies or dec.vmap_streams:
+        raise ValueError("feed_and_sample runs one policy on one stream (vmap_policies=False, vmap_streams=False)")
     nxt, cache, rng = _sample_step(dec, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p)
     return nxt, dec._pin(cache)[0], rng
 
@@ -319,8 +321,8 @@ def _score(dec: Decoder, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_v
 
 @_jit(donate=2)
 def _generate(dec: Decoder, params, cache, policy, pending_B, rng, temperature, top_p, n_steps, eos_E):
-    if dec.vmap_policies:
-        raise ValueError("generate runs one policy (vmap_policies=False)")
+    if dec.vmap_policies or dec.vmap_streams:
+        raise ValueError("generate runs one policy on one stream (vmap_policies=False, vmap_streams=False)")
     K = dec.gen_block
     B = pending_B.shape[0]
     n_steps = jnp.minimum(n_steps, K)

@@ -208,7 +208,7 @@ def main_jsonl(args) -> int:
         else:
             print(f"[line {row['line']}] {row['text']}", flush=True)
 
-    result = chat.run_prompts(lines, sched, tok, emit=emit)
+    result = chat.run_prompts(lines, sched, tok, emit=emit, seed=args.seed)
     status(f"{len(lines)} prompts on {n_slots} streams: {result.n_generated} tokens in {result.run_s:.2f}s "
            f"({result.tokens_per_s:.1f} tok/s aggregate, {result.rounds} rounds)")
     if args.out is not None:

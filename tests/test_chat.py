@@ -217,7 +217,8 @@ def _jsonl(tmp_path, rows, name="p.jsonl"):
 def test_prompts_jsonl_equal_each_prompt_alone_under_one_compilation(tmp_path):
     """5 prompts on 2 slots (streams join and leave, idle slots sit through other prompts' prefill): every
     greedy output equals chat.run + Session for that prompt alone (decode.py --prompt's loop), token for
-    token, with one end-of-sequence stop; the whole run, and a second one, trace each function once."""
+    token, with one end-of-sequence stop; the whole run, a second one and a sampled one (equal to seeded
+    Sessions) trace each function once."""
     from rsqr_jax import engine
     from rsqr_jax.streams import StreamScheduler
 
@@ -246,6 +247,18 @@ def test_prompts_jsonl_equal_each_prompt_alone_under_one_compilation(tmp_path):
     # a second session on the same scheduler (slots reused): no new compilation
     again = chat.run_prompts(lines[::-1], sched, TOK)
     assert [r["token_ids"] for r in again.rows] == alone
+    assert {k: engine.TRACES[k] - before.get(k, 0) for k in ("feed_streams", "generate_streams")} == \
+        {"feed_streams": 1, "generate_streams": 1}
+    # sampled (temperature 0.9, top-p 0.8, seed 7): each stream equals a Session seeded alike (its own rng key,
+    # split only when the stream moves); the sampler settings are arguments, so still no new compilation
+    sampled = []
+    for pl in lines:
+        s = make_session("rsqr", temperature=0.9, top_p=0.8, seed=7)
+        s.feed(chat.prompt_ids(TOK, pl.prompt, pl.chat))
+        sampled.append(s.generate(pl.max_new_tokens))
+    hot = StreamScheduler(apply_fn, params, SPEC, POLICIES["rsqr"], n_slots=2, prefill_chunk=CHUNK, temperature=0.9,
+                          top_p=0.8, vocab_size=CFG.vocab_size)
+    assert [r["token_ids"] for r in chat.run_prompts(lines, hot, TOK, seed=7).rows] == sampled != alone
     assert {k: engine.TRACES[k] - before.get(k, 0) for k in ("feed_streams", "generate_streams")} == \
         {"feed_streams": 1, "generate_streams": 1}
     # a stream fed nothing (n_valid 0) keeps its cache bit for bit

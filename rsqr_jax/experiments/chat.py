@@ -391,9 +391,10 @@ class StreamsResult:
         return self.n_generated / self.run_s if self.run_s > 0 else float("nan")
 
 
-def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None) -> StreamsResult:
+def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None, seed: int = 0) -> StreamsResult:
     """Generate every request concurrently on `scheduler` (a rsqr_jax.streams.StreamScheduler); `emit(row)`
-    sees each row as its stream finishes. A request the scheduler refuses (e.g. longer than a `full`
+    sees each row as its stream finishes. Every stream's rng starts from `seed`, as decode.py --seed
+    starts a lone prompt's, so sampled outputs equal the single-prompt ones too. A request the scheduler refuses (e.g. longer than a `full`
     cache) becomes an {"line", "error"} row and the others still run: their results are not lost."""
     from rsqr_jax.streams import Request
 
@@ -403,7 +404,7 @@ def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None) -> 
     for pl in lines:
         ids = prompt_ids(tokenizer, pl.prompt, pl.chat)
         try:
-            index = scheduler.submit(Request(tuple(ids), pl.max_new_tokens))
+            index = scheduler.submit(Request(tuple(ids), pl.max_new_tokens, seed))
         except ValueError as e:
             rows[pl.line] = {"line": pl.line, "error": str(e)}
             emit(rows[pl.line])
