@@ -14,6 +14,9 @@ the cache, so it is updated in place.
 `fixed_policy` (the policy's field values) bakes one policy in as constants: XLA then folds every mode
 test of the update and drops the branches that policy never takes (what a Session wants).
 `vmap_policies` runs a policy batch [P] over a cache with a leading policy axis (weights shared).
+`vmap_streams` runs N independent streams (one policy) over a cache with a leading stream axis [N]: each
+stream has its own positions, length and rng; `feed_streams` / `generate_streams` (a scheduler over them:
+rsqr_jax.streams) take a per-stream n_valid / token budget, so streams join and leave without a recompile.
 rsqr_jax stays model-agnostic: the model comes in as `apply_fn(params, tokens_BxC, cache, plan)`.
 """
 
@@ -72,10 +75,13 @@ class Decoder:
     vmap_policies: bool = False
     gen_block: int = 16
     cache_sharding: Any = None
+    vmap_streams: bool = False
 
     def __post_init__(self):
         if self.fixed_policy is not None and self.vmap_policies:
             raise ValueError("a Decoder has either one fixed policy or a vmapped policy batch, not both")
+        if self.vmap_streams and (self.vmap_policies or self.spec.batch != 1):
+            raise ValueError("a vmap_streams Decoder runs one policy over streams of batch 1 (spec.batch = 1)")
         if self.gen_block < 1:
             raise ValueError(f"gen_block must be >= 1, got {self.gen_block}")
 
@@ -85,12 +91,17 @@ class Decoder:
         validate(policy, spec, chunk=1)
         return cls(apply_fn, spec, fixed_policy=policy_values(policy), **kw)
 
-    def init_cache(self, n_policies: int | None = None, start: int = 0) -> KVCache:
-        """An empty cache for this Decoder (with a leading policy axis when vmap_policies)."""
+    def init_cache(self, n_policies: int | None = None, start: int = 0, n_streams: int | None = None) -> KVCache:
+        """An empty cache for this Decoder (with a leading policy axis when vmap_policies, a leading
+        stream axis [n_streams] when vmap_streams)."""
         if self.vmap_policies:
             if n_policies is None:
                 raise ValueError("a vmap_policies Decoder needs n_policies for its cache")
             return init_policy_cache(self.spec, n_policies, start)
+        if self.vmap_streams:
+            if n_streams is None:
+                raise ValueError("a vmap_streams Decoder needs n_streams for its cache")
+            return init_policy_cache(self.spec, n_streams, start)  # the same stacking, over streams
         return init_cache(self.spec, start)
 
     def _policy(self, policy: Policy | None) -> Policy:
@@ -109,9 +120,16 @@ class Decoder:
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return (cache, *(jax.lax.with_sharding_constraint(x, rep) for x in replicated))
 
-    def _map(self, fn: Callable, policy_axis_of: tuple) -> Callable:
-        """fn itself, or fn vmapped over the policy axis of the arguments marked 0 in policy_axis_of."""
-        return jax.vmap(fn, in_axes=policy_axis_of) if self.vmap_policies else fn
+    def _map(self, fn: Callable, policy_axis_of: tuple, stream_axis_of: tuple | None = None) -> Callable:
+        """fn itself, or fn vmapped over the policy axis of the arguments marked 0 in policy_axis_of (or over
+        the stream axis of those marked 0 in stream_axis_of, when vmap_streams)."""
+        if self.vmap_policies:
+            return jax.vmap(fn, in_axes=policy_axis_of)
+        if self.vmap_streams:
+            if stream_axis_of is None:
+                raise ValueError("a vmap_streams Decoder runs feed_streams / generate_streams only")
+            return jax.vmap(fn, in_axes=stream_axis_of)
+        return fn
 
     # The public methods: thin calls of the module-level jitted functions (self is the static argument).
     def feed(self, params, tokens_BxC, cache: KVCache, policy: Policy | None, n_valid=None):
@@ -143,6 +161,43 @@ class Decoder:
         eos_E = jnp.asarray(sorted(eos_ids) or [-1], jnp.int32)
         return _generate(self, params, cache, policy, jnp.asarray(pending_B, jnp.int32), rng,
                          jnp.float32(temperature), jnp.float32(top_p), jnp.asarray(n_steps, jnp.int32), eos_E)
+
+    def feed_streams(self, params, tokens_NxC, cache: KVCache, policy: Policy | None, n_valid_N, reset_N, rng_N,
+                     temperature, top_p):
+        """vmap_streams: append each stream's chunk (its first n_valid_N[i] tokens are real; 0 = the stream
+        is untouched) after resetting the streams marked in reset_N to an empty cache (a stream joins), and
+        sample the token after each stream's last real one: (next_N, cache, rng_N). A stream's rng key is
+        split only when it moves, so it sees the key sequence a lone Session would."""
+        return _feed_streams(self, params, jnp.asarray(tokens_NxC, jnp.int32), cache, policy,
+                             jnp.asarray(n_valid_N, jnp.int32), jnp.asarray(reset_N, bool), rng_N,
+                             jnp.float32(temperature), jnp.float32(top_p))
+
+    def generate_streams(self, params, cache: KVCache, policy: Policy | None, pending_N, budget_N, rng_N,
+                         temperature, top_p, eos_ids, feed_only_N=None, reset_N=None) -> "StreamsGenerated":
+        """vmap_streams: up to gen_block generation steps in one compiled while_loop. Each step, every stream
+        with budget left emits its pending token (and spends one budget); a stream that emits an
+        end-of-sequence id stops (budget 0, the token is not fed); the others feed it and sample the next.
+        feed_only_N: streams whose pending token is their prompt's last one: the first step feeds it
+        without emitting it (a 1-token prefill, so no separate 1-wide prefill compilation is needed).
+        reset_N: streams reset to an empty cache first (as in feed_streams)."""
+        eos_E = jnp.asarray(sorted(eos_ids) or [-1], jnp.int32)
+        no = np.zeros(np.shape(pending_N), bool)
+        return _generate_streams(self, params, cache, policy, jnp.asarray(pending_N, jnp.int32),
+                                 jnp.asarray(budget_N, jnp.int32), rng_N, jnp.float32(temperature),
+                                 jnp.float32(top_p), eos_E, jnp.asarray(no if feed_only_N is None else feed_only_N, bool),
+                                 jnp.asarray(no if reset_N is None else reset_N, bool))
+
+
+class StreamsGenerated(NamedTuple):
+    """One block of `Decoder.generate_streams`: tokens_NxK (-1 where a stream emitted nothing), n_steps
+    run, each stream's pending token and remaining budget (0 = stopped: budget spent or end-of-sequence)."""
+
+    tokens_NxK: jax.Array
+    n_steps: jax.Array
+    pending_N: jax.Array
+    budget_N: jax.Array
+    cache: KVCache
+    rng_N: jax.Array
 
 
 def _jit(donate: int):
@@ -187,10 +242,64 @@ def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, 
 
 @_jit(donate=3)
 def _feed_and_sample(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p):
-    if dec.vmap_policies:
-        raise ValueError("feed_and_sample runs one policy (vmap_policies=False)")
+    if dec.vmap_policies or dec.vmap_streams:
+        raise ValueError("feed_and_sample runs one policy on one stream (vmap_policies=False, vmap_streams=False)")
     nxt, cache, rng = _sample_step(dec, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p)
     return nxt, dec._pin(cache)[0], rng
+
+
+def _stream_step(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, rng_N, temperature, top_p):
+    """One vmap_streams step: (next_N, cache, rng_N), each stream's rng split only if it moved."""
+    def one(tokens_C, cache, n_valid, rng):
+        nxt, cache, new_rng = _sample_step(dec, params, tokens_C[None], cache, policy, n_valid, rng, temperature,
+                                           top_p)
+        return nxt[0], cache, jnp.where(n_valid > 0, new_rng, rng)
+
+    return dec._map(one, None, (0, 0, 0, 0))(tokens_NxC, cache, n_valid_N, rng_N)
+
+
+def _reset_streams(dec: Decoder, cache, reset_N):
+    """The streams marked in reset_N replaced by an empty cache (a new stream joins that slot)."""
+    empty = init_cache(dec.spec)
+    return jax.tree.map(lambda c, e: jnp.where(reset_N.reshape((-1,) + (1,) * e.ndim), e, c), cache, empty)
+
+
+@_jit(donate=3)
+def _feed_streams(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, reset_N, rng_N, temperature, top_p):
+    if not dec.vmap_streams:
+        raise ValueError("feed_streams needs a vmap_streams Decoder")
+    cache = _reset_streams(dec, cache, reset_N)
+    nxt, cache, rng_N = _stream_step(dec, params, tokens_NxC, cache, policy, n_valid_N, rng_N, temperature, top_p)
+    return nxt, dec._pin(cache)[0], rng_N
+
+
+@_jit(donate=2)
+def _generate_streams(dec: Decoder, params, cache, policy, pending_N, budget_N, rng_N, temperature, top_p, eos_E,
+                      feed_only_N, reset_N):
+    if not dec.vmap_streams:
+        raise ValueError("generate_streams needs a vmap_streams Decoder")
+    cache = _reset_streams(dec, cache, reset_N)
+    K, N = dec.gen_block, pending_N.shape[0]
+
+    def cond(carry):
+        i, _, budget, *_ = carry
+        return (i < K) & jnp.any(budget > 0)
+
+    def body(carry):
+        i, pending, budget, feed_only, cache, rng, out = carry
+        live = budget > 0
+        emit = live & ~feed_only
+        out = out.at[:, i].set(jnp.where(emit, pending, -1))
+        eos = emit & jnp.isin(pending, eos_E)
+        fed = live & ~eos
+        budget = jnp.where(eos, 0, budget - emit.astype(jnp.int32))
+        nxt, cache, rng = _stream_step(dec, params, pending[:, None], cache, policy, fed.astype(jnp.int32), rng,
+                                       temperature, top_p)
+        return i + 1, jnp.where(fed, nxt, pending), budget, jnp.zeros_like(feed_only), cache, rng, out
+
+    init = (jnp.int32(0), pending_N, budget_N, feed_only_N, cache, rng_N, jnp.full((N, K), -1, jnp.int32))
+    i, pending, budget, _, cache, rng, out = jax.lax.while_loop(cond, body, init)
+    return StreamsGenerated(out, i, pending, budget, dec._pin(cache)[0], rng)
 
 
 @_jit(donate=2)
@@ -212,8 +321,8 @@ def _score(dec: Decoder, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_v
 
 @_jit(donate=2)
 def _generate(dec: Decoder, params, cache, policy, pending_B, rng, temperature, top_p, n_steps, eos_E):
-    if dec.vmap_policies:
-        raise ValueError("generate runs one policy (vmap_policies=False)")
+    if dec.vmap_policies or dec.vmap_streams:
+        raise ValueError("generate runs one policy on one stream (vmap_policies=False, vmap_streams=False)")
     K = dec.gen_block
     B = pending_B.shape[0]
     n_steps = jnp.minimum(n_steps, K)

@@ -6,11 +6,16 @@
     python scripts/decode.py --chat                         # multi-turn chat, one user turn per stdin line
     python scripts/decode.py --chat --prompt "Hi, I am Ada." --save ada.session
     python scripts/decode.py --resume ada.session --prompt "What is my name?"   # continue that session
+    python scripts/decode.py --prompts-jsonl prompts.jsonl --json   # every prompt at once, one stream each
 
 --save PATH writes the whole session (cache, counters, policy, sampler state, chat transcript) after
 every turn, atomically. --resume PATH continues a saved session: the prompt (or the stdin lines) is fed
 after the saved state; policy, cache, sampler and model settings come from the file, and an explicitly
 given flag that conflicts with them is an error.
+
+--prompts-jsonl FILE generates every request of FILE ({"prompt": ..., "max_new_tokens": ..., "chat": ...}
+per line) concurrently on --streams slots (rsqr_jax.streams) and prints one line per prompt as it
+finishes (one JSON object with --json); greedy outputs equal those of --prompt for each prompt alone.
 
 Tokens stream to stdout (to stderr with --json, whose stdout is one JSON object); status to stderr.
 The loop lives in rsqr_jax/experiments/chat.py.
@@ -42,6 +47,12 @@ def build_parser() -> Parser:
     p.add_argument("--no-progress", action="store_true", help="accepted for the common convention (no bars here)")
     p.add_argument("--save", default=None, metavar="PATH", help="save the session to PATH after every turn")
     p.add_argument("--resume", default=None, metavar="PATH", help="continue the session saved in PATH")
+    p.add_argument("--prompts-jsonl", default=None, metavar="FILE",
+                   help="generate every prompt of FILE (one JSON object per line) concurrently")
+    p.add_argument("--streams", type=int, default=16, help="--prompts-jsonl: concurrent streams (cache slots)")
+    p.add_argument("--max-len", type=int, default=0,
+                   help="--prompts-jsonl with --policy full: positions each stream's cache holds (default: what "
+                        "the longest request needs, at most the model's context)")
     add_policy_args(p, default_policy="rsqr")
     add_model_args(p)  # its --dtype is the KV cache dtype here (kept for compatibility)
     p.add_argument("--cache-dtype", default=None,
@@ -67,6 +78,8 @@ def main() -> int:
                           seed=args.seed, prefill_chunk=args.prefill_chunk)
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out}: not a directory")
+    if args.prompts_jsonl is not None:
+        return main_jsonl(args)
     if args.save is not None:
         chat.check_save_path(args.save)
     header = None
@@ -142,6 +155,70 @@ def main() -> int:
         result.write(args.out, **extra)
     if args.json:
         print(json.dumps(result.to_json(**extra)))
+    return 0
+
+
+def main_jsonl(args) -> int:
+    """--prompts-jsonl: every request checked before the model loads, then all generated concurrently."""
+    from rsqr_jax.experiments import chat
+    from rsqr_jax.experiments.common import ConfigError
+
+    for flag, given in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file), ("--save", args.save),
+                        ("--resume", args.resume)):
+        if given is not None:
+            raise UsageError(f"--prompts-jsonl runs its own prompts: {flag} cannot be combined with it")
+    if args.streams < 1:
+        raise UsageError(f"--streams must be positive, got {args.streams}")
+    if args.max_len < 0:
+        raise UsageError(f"--max-len must be >= 0, got {args.max_len}")
+    lines = chat.read_prompts_jsonl(args.prompts_jsonl, max_new_tokens=args.max_new_tokens, chat=args.chat)
+    policy = policy_from_args(args)
+
+    import jax
+
+    from models.llama import load_model, split_apply
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.streams import StreamScheduler
+
+    weights_dtype = chat.resolve_weights_dtype(args.weights_dtype, args.cache_dtype, jax.default_backend())
+    t_load = time.perf_counter()
+    loaded = load_model(args.model, weights_dtype)
+    apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
+    tok, cfg = loaded.tokenizer, loaded.config
+    status(f"model {loaded.path} loaded in {time.perf_counter() - t_load:.1f}s; policy {policy.name}; "
+           f"{len(lines)} prompts")
+    chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
+    max_len = chat.streams_max_len(tok, lines, args.max_len or cfg.max_position_embeddings)
+    spec = CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, dtype=args.cache_dtype, max_chunk=chunk, max_len=max_len,
+                                  **cold_store_args(args))
+    n_slots = min(args.streams, len(lines))
+    check_cache_fits(n_slots * spec.bytes_by_part(policy)["total"])
+    sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=n_slots, prefill_chunk=chunk,
+                            temperature=args.temperature, top_p=args.top_p, eos_ids=cfg.eos_token_ids,
+                            vocab_size=cfg.vocab_size)
+    sched.warmup()
+    status(f"compiled the {n_slots}-stream prefill + generation block in {sched.compile_s:.1f}s")
+
+    def emit(row: dict) -> None:
+        if args.json:
+            print(json.dumps(row), flush=True)
+        elif "error" in row:
+            print(f"[line {row['line']}] error: {row['error']}", flush=True)
+        else:
+            print(f"[line {row['line']}] {row['text']}", flush=True)
+
+    result = chat.run_prompts(lines, sched, tok, emit=emit, seed=args.seed)
+    status(f"{len(lines)} prompts on {n_slots} streams: {result.n_generated} tokens in {result.run_s:.2f}s "
+           f"({result.tokens_per_s:.1f} tok/s aggregate, {result.rounds} rounds)")
+    if args.out is not None:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "decode.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in result.rows)
+    if result.errors:  # the other prompts ran and printed; the refused ones are named in one line
+        bad = result.errors
+        raise ConfigError(f"{len(bad)} of {len(lines)} prompts refused: line {bad[0]['line']}: {bad[0]['error']}"
+                          + (f" (and lines {', '.join(str(r['line']) for r in bad[1:])})" if len(bad) > 1 else ""))
     return 0
 
 

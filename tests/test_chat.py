@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from rsqr_jax.experiments import chat
 from rsqr_jax.experiments.common import ConfigError
 from rsqr_jax.session import Session
 from tests.test_cli import assert_one_line_error, run
-from tests.tiny_session import CFG, IDENTITY, make_session, model
+from tests.tiny_session import CFG, CHUNK, IDENTITY, POLICIES, SPEC, make_session, model
 
 
 class CharTokenizer:
@@ -195,3 +196,113 @@ def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_p
                                   dtype="bfloat16", max_chunk=64)
     assert result["cache_bytes"] == spec.bytes_by_part(pol)
     assert "float32 weights, bfloat16 cache" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Many prompts at once (decode.py --prompts-jsonl on rsqr_jax.streams): each stream equals its prompt alone.
+
+JSONL_PROMPTS = [  # prompt lengths 1 (a 1-token prefill), 5 (chunk 4 + a 1-token remainder), a multiple of 4, ...
+    {"prompt": "q", "max_new_tokens": 6}, {"prompt": "hello", "max_new_tokens": 17},
+    {"prompt": "a longer prompt!", "max_new_tokens": 3}, {"prompt": "hi", "chat": True, "max_new_tokens": 9},
+    {"prompt": "again, a chat turn", "chat": True, "max_new_tokens": 1},
+]
+
+
+def _jsonl(tmp_path, rows, name="p.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(json.dumps(r) if isinstance(r, dict) else r for r in rows) + "\n")
+    return str(path)
+
+
+def test_prompts_jsonl_equal_each_prompt_alone_under_one_compilation(tmp_path):
+    """5 prompts on 2 slots (streams join and leave, idle slots sit through other prompts' prefill): every
+    greedy output equals chat.run + Session for that prompt alone (decode.py --prompt's loop), token for
+    token, with one end-of-sequence stop; the whole run, a second one and a sampled one (equal to seeded
+    Sessions) trace each function once."""
+    from rsqr_jax import engine
+    from rsqr_jax.streams import StreamScheduler
+
+    lines = chat.read_prompts_jsonl(_jsonl(tmp_path, JSONL_PROMPTS), max_new_tokens=4, chat=False)
+    alone = []
+    for pl in lines:
+        s = make_session("rsqr")
+        s.feed(chat.prompt_ids(TOK, pl.prompt, pl.chat))
+        alone.append(s.generate(pl.max_new_tokens))
+    eos = alone[1][4]  # the second prompt stops on its 5th token (EOS is emitted, never fed)
+    stops = ["eos" if eos in a else "length" for a in alone]
+    alone = [a[:a.index(eos) + 1] if eos in a else a for a in alone]
+    texts = [chat.run(chat.ChatConfig((pl.prompt,), pl.chat, pl.max_new_tokens),
+                      make_session("rsqr", eos_ids=[eos]), TOK).replies[0] for pl in lines]
+
+    apply_fn, params = model()
+    before = dict(engine.TRACES)
+    sched = StreamScheduler(apply_fn, params, SPEC, POLICIES["rsqr"], n_slots=2, prefill_chunk=CHUNK, eos_ids=[eos],
+                            vocab_size=CFG.vocab_size)
+    seen = []
+    result = chat.run_prompts(lines, sched, TOK, emit=seen.append)
+    assert [r["token_ids"] for r in result.rows] == alone
+    assert [r["text"] for r in result.rows] == texts
+    assert [r["stop"] for r in result.rows] == stops and "length" in stops
+    assert sorted(r["line"] for r in seen) == [1, 2, 3, 4, 5] and result.n_generated == sum(map(len, alone))
+    # a second session on the same scheduler (slots reused): no new compilation
+    again = chat.run_prompts(lines[::-1], sched, TOK)
+    assert [r["token_ids"] for r in again.rows] == alone
+    assert {k: engine.TRACES[k] - before.get(k, 0) for k in ("feed_streams", "generate_streams")} == \
+        {"feed_streams": 1, "generate_streams": 1}
+    # sampled (temperature 0.9, top-p 0.8, seed 7): each stream equals a Session seeded alike (its own rng key,
+    # split only when the stream moves); the sampler settings are arguments, so still no new compilation
+    sampled = []
+    for pl in lines:
+        s = make_session("rsqr", temperature=0.9, top_p=0.8, seed=7)
+        s.feed(chat.prompt_ids(TOK, pl.prompt, pl.chat))
+        sampled.append(s.generate(pl.max_new_tokens))
+    hot = StreamScheduler(apply_fn, params, SPEC, POLICIES["rsqr"], n_slots=2, prefill_chunk=CHUNK, temperature=0.9,
+                          top_p=0.8, vocab_size=CFG.vocab_size)
+    assert [r["token_ids"] for r in chat.run_prompts(lines, hot, TOK, seed=7).rows] == sampled != alone
+    assert {k: engine.TRACES[k] - before.get(k, 0) for k in ("feed_streams", "generate_streams")} == \
+        {"feed_streams": 1, "generate_streams": 1}
+    # a stream fed nothing (n_valid 0) keeps its cache bit for bit
+    cache = jax.tree.map(np.asarray, sched.cache)
+    n = sched.n_slots
+    _, after, _ = sched.decoder.feed_streams(params, np.ones((n, CHUNK), np.int32), sched.cache, None,
+                                             np.zeros(n, np.int32), np.zeros(n, bool), sched.rng_N.copy(), 0.0, 1.0)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, after), cache)
+
+
+@pytest.mark.parametrize("rows,fragment", [
+    ([{"prompt": "ok"}, '{"prompt": "x",}'], "p.jsonl line 2: not valid JSON"),
+    (["", '["a list"]'], "p.jsonl line 2: expected a JSON object, got list"),
+    ([{"prompt": "ok"}, {"prompt": "x", "max_tokens": 3}], "line 2: unknown key 'max_tokens'"),
+    ([{"prompt": "  "}], "line 1: \"prompt\" must be a non-empty string"),
+    ([{"prompt": "a", "max_new_tokens": 0}], "line 1: \"max_new_tokens\" must be a positive integer, got 0"),
+    ([{"prompt": "a", "chat": "yes"}], "line 1: \"chat\" must be true or false"),
+    (["", "  "], "has no prompts"),
+])
+def test_prompts_jsonl_malformed_lines_are_named(tmp_path, rows, fragment):
+    with pytest.raises(ConfigError) as e:
+        chat.read_prompts_jsonl(_jsonl(tmp_path, rows), max_new_tokens=4, chat=False)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompt_longer_than_a_full_cache_is_refused_and_the_others_kept():
+    """The check is on the host before anything runs: the refused request is an error row, the others
+    are queued (run_prompts then runs them; the real-model CLI test runs such a file end to end)."""
+    from rsqr_jax import policy as P
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.streams import Request, StreamScheduler
+
+    apply_fn, params = model()
+    spec = CacheSpec.for_policies(P.full(), num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
+                                  head_dim=CFG.head_dim, max_chunk=4, max_len=16)
+    sched = StreamScheduler(apply_fn, params, spec, P.full(), n_slots=2, prefill_chunk=4)
+    assert sched.submit(Request((1, 2, 3), 13)) == 0  # 16 positions: fits exactly
+    with pytest.raises(ValueError, match="prompt of 4 tokens \\+ 13 new ones exceeds the full attention cache of 16"):
+        sched.submit(Request((1, 2, 3, 4), 13))
+    assert len(sched.queue) == 1 and sched.submit(Request((5,), 2)) == 1
+
+
+def test_decode_prompts_jsonl_bad_file_fails_before_the_model_loads(tmp_path):
+    assert_one_line_error(run("decode.py", "--prompts-jsonl", _jsonl(tmp_path, [{"prompt": "a"}, "{oops"])),
+                          "line 2: not valid JSON")
+    assert_one_line_error(run("decode.py", "--prompts-jsonl", _jsonl(tmp_path, [{"prompt": "a"}]), "--prompt", "b"),
+                          "--prompt cannot be combined with it")

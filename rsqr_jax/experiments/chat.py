@@ -299,3 +299,128 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
             run_turn(turn)
     result.session_tokens, result.compile_s = session.n_tokens, session.compile_s
     return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# Many prompts at once (decode.py --prompts-jsonl): one stream per prompt on rsqr_jax.streams.
+
+_JSONL_KEYS = {"prompt", "max_new_tokens", "chat"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLine:
+    """One request of a --prompts-jsonl file (line: its 1-based line number)."""
+
+    line: int
+    prompt: str
+    max_new_tokens: int
+    chat: bool
+
+
+def read_prompts_jsonl(path: str, *, max_new_tokens: int, chat: bool) -> list[PromptLine]:
+    """Every request of a JSONL file, checked up front (before a model is loaded): one JSON object per
+    non-blank line, {"prompt": str, "max_new_tokens": int (default the flag), "chat": bool (default the
+    flag)}. A malformed line is a ConfigError naming its line: nothing has run yet, so nothing is lost,
+    and a typo is not silently skipped."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompts file {path} is not UTF-8 (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read prompts file {path}: {e.strerror}") from None
+    out = []
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - _JSONL_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(_JSONL_KEYS))})")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError(f"{where}: \"prompt\" must be a non-empty string")
+        m = obj.get("max_new_tokens", max_new_tokens)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"{where}: \"max_new_tokens\" must be a positive integer, got {m!r}")
+        c = obj.get("chat", chat)
+        if not isinstance(c, bool):
+            raise ConfigError(f"{where}: \"chat\" must be true or false, got {c!r}")
+        out.append(PromptLine(n, prompt, m, c))
+    if not out:
+        raise ConfigError(f"prompts file {path} has no prompts")
+    return out
+
+
+def prompt_ids(tokenizer, prompt: str, is_chat: bool) -> list[int]:
+    """The token ids decode.py --prompt feeds for this prompt (the chat template's first user turn)."""
+    return ChatFeed(tokenizer).user_turn(prompt) if is_chat else tokenizer.encode(prompt)
+
+
+def streams_max_len(tokenizer, lines: list[PromptLine], cap: int) -> int:
+    """Positions a `full` cache needs so that every request fits as it does alone (full_max_len of its
+    prompt, the longest), at most cap (the model's context or --max-len)."""
+    need = max(full_max_len(tokenizer, (pl.prompt,), pl.max_new_tokens) for pl in lines)
+    return min(need, cap)
+
+
+@dataclasses.dataclass
+class StreamsResult:
+    """The rows of a --prompts-jsonl run (by line number) and its figures."""
+
+    rows: list[dict]
+    n_generated: int
+    run_s: float  # wall time of the whole run: prefill and generation
+    compile_s: float
+    n_slots: int
+    rounds: int
+
+    @property
+    def errors(self) -> list[dict]:
+        return [r for r in self.rows if "error" in r]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_generated / self.run_s if self.run_s > 0 else float("nan")
+
+
+def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None, seed: int = 0) -> StreamsResult:
+    """Generate every request concurrently on `scheduler` (a rsqr_jax.streams.StreamScheduler); `emit(row)`
+    sees each row as its stream finishes. Every stream's rng starts from `seed`, as decode.py --seed
+    starts a lone prompt's, so sampled outputs equal the single-prompt ones too. A request the scheduler refuses (e.g. longer than a `full`
+    cache) becomes an {"line", "error"} row and the others still run: their results are not lost."""
+    from rsqr_jax.streams import Request
+
+    rows: dict[int, dict] = {}
+    by_index: dict[int, tuple[PromptLine, list[int]]] = {}
+    emit = emit or (lambda row: None)
+    for pl in lines:
+        ids = prompt_ids(tokenizer, pl.prompt, pl.chat)
+        try:
+            index = scheduler.submit(Request(tuple(ids), pl.max_new_tokens, seed))
+        except ValueError as e:
+            rows[pl.line] = {"line": pl.line, "error": str(e)}
+            emit(rows[pl.line])
+            continue
+        by_index[index] = (pl, ids)
+
+    def finished(f) -> None:
+        pl, ids = by_index[f.index]
+        rows[pl.line] = {"line": pl.line, "text": tokenizer.decode(f.tokens, skip_special_tokens=True),
+                         "n_prompt_tokens": len(ids), "n_generated": len(f.tokens), "stop": f.stop,
+                         "token_ids": f.tokens, "chat": pl.chat}
+        emit(rows[pl.line])
+
+    t0 = time.perf_counter()
+    scheduler.run(on_finished=finished)
+    run_s = time.perf_counter() - t0
+    return StreamsResult([rows[k] for k in sorted(rows)], scheduler.n_generated, run_s, scheduler.compile_s,
+                         scheduler.n_slots, scheduler.rounds)

@@ -1,0 +1,243 @@
+"""Many independent streams in one compiled step: a scheduler of generation requests over a fixed number
+of slots of a `vmap_streams` Decoder (rsqr_jax.engine).
+
+Each slot is one stream with its own positions, policy state, rng key, token budget and stop condition
+(the cache carries a leading slot axis [N]; the step is vmapped over it). A request joins a free slot
+(the slot is reset to an empty cache inside the next compiled call), its prompt is prefilled in chunks
+of `prefill_chunk` together with the other prompts still prefilling (each with its own n_valid), then
+it generates in compiled blocks of `gen_block` steps alongside the other generating streams, and leaves
+its slot when its budget is spent or it emits an end-of-sequence id. Nothing about joins or leaves is a
+shape, so a whole session runs under two compilations (the chunk prefill and the generation block; a
+prompt's 1-token remainder is fed by the block's first step), whatever the number, lengths and order of
+the requests.
+
+A stream sees the computation a lone `Session` with the same settings runs (same chunks, a 1-token
+step for a 1-token remainder, the same rng splits; vmapped, so equal up to float reassociation), so greedy outputs equal the
+single-prompt ones. Scheduling is prefill-first: a round with prompts to prefill runs only the prefill
+(generating streams wait one chunk); otherwise one generation block runs for every generating stream.
+
+    sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=16, prefill_chunk=64, eos_ids=eos)
+    results = sched.run([Request(ids, max_new_tokens=64) for ids in prompts])   # in request order
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rsqr_jax.cache import KVCache
+from rsqr_jax.engine import Decoder, policy_values
+from rsqr_jax.policy import FULL as P_FULL
+from rsqr_jax.policy import Policy
+from rsqr_jax.spec import CacheSpec, validate
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt (token ids) to continue by up to max_new_tokens tokens; seed: the stream's rng key."""
+
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Finished:
+    """A request's result: the emitted tokens (an end-of-sequence token included, as Session emits it),
+    why it stopped ("eos" or "length"), and the round it finished in."""
+
+    index: int
+    tokens: list[int]
+    stop: str
+    n_prompt_tokens: int
+    finished_round: int
+
+
+@dataclasses.dataclass
+class _Slot:
+    index: int
+    request: Request
+    todo: np.ndarray  # prompt tokens not yet fed
+    out: list[int] = dataclasses.field(default_factory=list)
+    pending: int = -1
+    budget: int = 0  # > 0 once generating
+    feed_only: bool = False  # pending is the prompt's last token: fed, not emitted
+
+
+class StreamScheduler:
+    """A queue of requests over n_slots streams of one policy; see the module docstring."""
+
+    def __init__(self, apply_fn: Callable, params, spec: CacheSpec, policy: Policy, *, n_slots: int,
+                 prefill_chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 eos_ids: Iterable[int] = (), gen_block: int = 16, vocab_size: int | None = None):
+        if isinstance(n_slots, bool) or not isinstance(n_slots, (int, np.integer)) or n_slots < 1:
+            raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        self.prefill_chunk = min(int(prefill_chunk), spec.max_chunk)  # as Session does
+        validate(policy, spec, chunk=self.prefill_chunk)
+        self.params, self.spec, self.policy = params, spec, policy
+        self.n_slots = int(n_slots)
+        self.decoder = Decoder(apply_fn, spec, fixed_policy=policy_values(policy), gen_block=gen_block,
+                               vmap_streams=True)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        self.cache: KVCache = self.decoder.init_cache(n_streams=self.n_slots)
+        self.rng_N = np.zeros((self.n_slots, 2), np.uint32)
+        self.slots: list[_Slot | None] = [None] * self.n_slots
+        self._fresh = np.zeros(self.n_slots, bool)  # slots to reset in the next compiled call
+        self.queue: list[tuple[int, Request]] = []
+        self.n_submitted = 0
+        self.rounds = 0
+        self.n_generated = 0
+        self.compile_s = 0.0
+
+    # ------------------------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """ValueError (one line) for a request this scheduler cannot run: empty, out-of-vocabulary, or
+        longer than a `full` cache (prompt + max_new_tokens must fit its window: every emitted token is fed)."""
+        ids = np.asarray(request.ids)
+        if ids.size == 0:
+            raise ValueError("empty prompt")
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be a flat list of integers, got dtype {ids.dtype} shape {ids.shape}")
+        hi = self.vocab_size if self.vocab_size is not None else 2**31
+        if ids.min() < 0 or ids.max() >= hi:
+            raise ValueError(f"token id {int(ids[(ids < 0) | (ids >= hi)][0])} is out of range [0, {hi})")
+        if isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be positive, got {request.max_new_tokens}")
+        if not 0 <= request.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {request.seed}")
+        need = ids.size + request.max_new_tokens
+        if int(np.asarray(self.policy.mode)) == P_FULL and need > self.spec.win_capacity:
+            raise ValueError(f"prompt of {ids.size} tokens + {request.max_new_tokens} new ones exceeds the full "
+                             f"attention cache of {self.spec.win_capacity} tokens (use a bounded policy)")
+
+    def submit(self, request: Request) -> int:
+        """Queue a request (checked first); returns its index (submission order)."""
+        self.check(request)
+        index = self.n_submitted
+        self.queue.append((index, request))
+        self.n_submitted += 1
+        return index
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and all(s is None for s in self.slots)
+
+    @property
+    def n_active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    # ------------------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile the two functions now on a throwaway cache (so timings exclude compilation; compile_s)."""
+        t0 = time.perf_counter()
+        zeros = np.zeros(self.n_slots, np.int32)
+        scratch = jax.tree.map(jnp.copy, self.cache)
+        jax.block_until_ready(self.decoder.feed_streams(
+            self.params, np.zeros((self.n_slots, self.prefill_chunk), np.int32), scratch, None, zeros,
+            np.zeros(self.n_slots, bool), self.rng_N.copy(), self.temperature, self.top_p))
+        scratch = jax.tree.map(jnp.copy, self.cache)
+        jax.block_until_ready(self.decoder.generate_streams(self.params, scratch, None, zeros, zeros, self.rng_N,
+                                                            self.temperature, self.top_p, self.eos_ids))
+        self.compile_s += time.perf_counter() - t0
+
+    def _admit(self) -> None:
+        for i in range(self.n_slots):
+            if self.slots[i] is None and self.queue:
+                index, req = self.queue.pop(0)
+                self.slots[i] = _Slot(index, req, np.asarray(req.ids, np.int32))
+                self._fresh[i] = True
+                self.rng_N[i] = np.asarray(jax.random.PRNGKey(req.seed))
+        self._promote()
+
+    def _promote(self) -> None:
+        """A prompt with one token left goes to generation: the next block feeds that token (feed_only)."""
+        for s in self.slots:
+            if s is not None and s.todo.size == 1:
+                s.pending, s.budget, s.feed_only, s.todo = int(s.todo[0]), s.request.max_new_tokens, True, s.todo[1:]
+
+    def _prefill_round(self) -> None:
+        """One chunk of every prompt with more than one token left to feed (padded to `prefill_chunk`, its
+        n_valid real); exactly Session.feed's split. A prompt's 1-token remainder is fed by the next
+        generation block (feed_only), as Session feeds it: by a 1-token step."""
+        C = self.prefill_chunk
+        rows = [i for i, s in enumerate(self.slots) if s is not None and s.todo.size > 1]
+        tokens = np.zeros((self.n_slots, C), np.int32)
+        n_valid = np.zeros(self.n_slots, np.int32)
+        for i in rows:
+            part = self.slots[i].todo[:C]
+            tokens[i, :part.size], n_valid[i] = part, part.size
+        # copies: on CPU a numpy argument may be read in place by the asynchronously running call
+        nxt, self.cache, rng = self.decoder.feed_streams(self.params, tokens, self.cache, None, n_valid,
+                                                         self._fresh.copy(), self.rng_N.copy(), self.temperature,
+                                                         self.top_p)
+        self._fresh[:] = False
+        self.rng_N = np.array(rng)
+        nxt = np.asarray(nxt)
+        for i in rows:
+            s = self.slots[i]
+            s.todo = s.todo[n_valid[i]:]
+            if not s.todo.size:  # prefilled: generate from the sampled token
+                s.pending, s.budget = int(nxt[i]), s.request.max_new_tokens
+        self._promote()
+
+    def _generate_round(self) -> list[Finished]:
+        pending = np.array([s.pending if s is not None and s.budget > 0 else 0 for s in self.slots], np.int32)
+        budget = np.array([s.budget if s is not None else 0 for s in self.slots], np.int32)
+        feed_only = np.array([s is not None and s.feed_only for s in self.slots], bool)
+        res = self.decoder.generate_streams(self.params, self.cache, None, pending, budget, self.rng_N.copy(),
+                                            self.temperature, self.top_p, self.eos_ids, feed_only, self._fresh.copy())
+        self._fresh[:] = False
+        self.cache, self.rng_N = res.cache, np.array(res.rng_N)
+        tokens, left, nxt = np.asarray(res.tokens_NxK), np.asarray(res.budget_N), np.asarray(res.pending_N)
+        done = []
+        for i, s in enumerate(self.slots):
+            if s is None or s.budget <= 0:
+                continue
+            emitted = [int(t) for t in tokens[i] if t >= 0]
+            s.out.extend(emitted)
+            self.n_generated += len(emitted)
+            s.pending, s.budget, s.feed_only = int(nxt[i]), int(left[i]), False
+            if s.budget <= 0:
+                stop = "eos" if s.out and s.out[-1] in self.eos_ids else "length"
+                done.append(Finished(s.index, s.out, stop, len(s.request.ids), self.rounds))
+                self.slots[i] = None  # the slot is free; its cache is reset when the next stream joins
+        return done
+
+    def step(self) -> list[Finished]:
+        """One round: admit queued requests into free slots, then one prefill chunk (if any prompt is still
+        prefilling) or one generation block. Returns the requests that finished in it."""
+        self._admit()
+        self.rounds += 1
+        if any(s is not None and s.todo.size > 1 for s in self.slots):
+            self._prefill_round()
+            return []
+        if any(s is not None and s.budget > 0 for s in self.slots):
+            return self._generate_round()
+        return []
+
+    def run(self, requests: Iterable[Request] = (), on_finished: Callable[[Finished], None] | None = None
+            ) -> list[Finished]:
+        """Submit `requests`, run until every queued request is finished; results in submission order."""
+        for r in requests:
+            self.submit(r)
+        out: list[Finished] = []
+        while not self.idle:
+            for f in self.step():
+                out.append(f)
+                if on_finished is not None:
+                    on_finished(f)
+        return sorted(out, key=lambda f: f.index)
