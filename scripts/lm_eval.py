@@ -7,7 +7,7 @@
     python scripts/lm_eval.py --policy streamingllm --window 512 --tasks ruler_niah_single_1 --json
 
 lm-eval's own flags: --tasks --include_path --limit --num_fewshot --output_path --log_samples --batch_size
---seed --gen_kwargs; ours: the policy / recall / model flags of every script, --chunk, --max-length,
+--seed --gen_kwargs --metadata; ours: the policy / recall / model flags of every script, --chunk, --max-length,
 --model_args (the "key=value,..." form of the same settings, which win over the flags). Prints lm-eval's
 table (--json: one JSON object, lm-eval's results without the samples). The model is
 models.lm_eval_model.RsqrLM (registered in lm-eval as "rsqr_jax"); docs/lm_eval.md.
@@ -33,6 +33,8 @@ def build_parser() -> Parser:
     g.add_argument("--batch_size", default="1", help="accepted for lm-eval compatibility; requests run one at a time")
     g.add_argument("--seed", type=int, default=0, help="lm-eval's random seeds and the sampler's")
     g.add_argument("--gen_kwargs", default=None, help="generation arguments for every task, key=value,...")
+    g.add_argument("--metadata", default=None, help="JSON object handed to the tasks (RULER: tokenizer, "
+                                                    "max_seq_lengths)")
     g = p.add_argument_group("engine")
     g.add_argument("--chunk", type=int, default=32, help="tokens per compiled step (capped by the window)")
     g.add_argument("--max-length", type=int, default=2048, help="tokens a full cache holds (full truncates to it)")
@@ -70,6 +72,12 @@ def main() -> int:
         raise UsageError(f"--limit must be > 0, got {args.limit}")
     if args.include_path is not None and not os.path.isdir(args.include_path):
         raise UsageError(f"--include_path is not a directory: {args.include_path}")
+    try:
+        metadata = json.loads(args.metadata) if args.metadata else None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--metadata is not JSON: {e}") from None
+    if metadata is not None and not isinstance(metadata, dict):
+        raise UsageError("--metadata must be a JSON object")
     from models.lm_eval_model import RsqrLM  # imports lm_eval (ConfigError if it is not installed)
 
     import lm_eval
@@ -78,7 +86,7 @@ def main() -> int:
     from lm_eval.utils import handle_non_serializable, make_table
 
     model_args = model_args_from(args)
-    task_manager = TaskManager(include_path=args.include_path)
+    task_manager = TaskManager(include_path=args.include_path, metadata=metadata)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in task_manager.all_tasks]
     if unknown or not tasks:
