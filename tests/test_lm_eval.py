@@ -81,6 +81,7 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
     assert set(ours) == set(theirs) and len(ours) == 3 * LIMIT
     for task in ("rsqr_facts", "rsqr_rolling"):
         np.testing.assert_allclose(_lls(ours, task), _lls(theirs, task), atol=1e-3, rtol=0, err_msg=task)
+    assert all(ours[k][0][0].strip() for k in ours if k[0] == "rsqr_gen")  # real text, not an empty answer
     assert [ours[k] for k in sorted(ours) if k[0] == "rsqr_gen"] == [theirs[k] for k in sorted(theirs)
                                                                      if k[0] == "rsqr_gen"]
     greedy = [str(c[0][1]) for k in sorted(ours) if k[0] == "rsqr_facts" for c in ours[k]]  # logs hold "True"
