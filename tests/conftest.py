@@ -7,6 +7,7 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from tests import hf_fixtures  # noqa: E402  (pytest puts the repo root first: pythonpath ["."])

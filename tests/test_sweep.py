@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -189,6 +190,9 @@ def _cli(*args, timeout=600):
     (["--devices", "0"], "--devices must be >= 1"),
     (["--quick", "--model", "/nonexistent/model.gguf"], "model not found"),
     (["--quick", "--model", os.path.join(ROOT, "README.md")], "not both --quick and --model"),
+    (["--quick", "--processes", "4096"], "one local process per core at most"),
+    (["--quick", "--processes", "2", "--devices", "3"], "does not split evenly"),
+    (["--quick", "--coordinator", "localhost"], "needs --num-processes and --process-id"),
 ])
 def test_sweep_cli_bad_input(args, fragment):
     assert_one_line_error(_cli(*args), fragment)
@@ -210,6 +214,23 @@ def test_sweep_cli_real_model_writes_every_output(tmp_path, smollm2_path):
     assert (tmp_path / "sweep.md").read_text().count("| `") == 2
     assert (tmp_path / "sweep_ppl.png").read_bytes()[:4] == b"\x89PNG"
     assert np.load(tmp_path / "nll.npy").shape == (2, 39)
+
+
+def test_sweep_cli_two_processes_equal_one_process_in_process():
+    """--processes 2: two local jax.distributed processes (loopback, one CPU device each) split the grid;
+    process 0 prints the gathered result, the same as the experiment run in this one process."""
+    grid, n_tok = "mode=rsqr,streamingllm window=6 sinks=2 delta=3 max_survivors=3", 17  # 2 policies, 1 segment
+    config = SX.SweepConfig.quick(text=None, grid=grid, tokens=n_tok, segment=16, bucket=16, sort="grid",
+                                  progress=False)
+    apply_fn, params, cfg, _ = SX.quick_model()
+    result = SX.run(config, apply_fn, params, cfg)
+    proc = _cli("--quick", "--processes", "2", "--grid", grid, "--tokens", str(n_tok), "--segment", "16",
+                "--bucket", "16", "--sort", "grid", "--out", "", "--no-progress", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)  # one JSON object: gloo's notices on stdout are filtered out
+    assert got["meta"]["processes"] == 2 and got["meta"]["devices"] == 2
+    assert [r["name"] for r in got["rows"]] == [r["name"] for r in result.rows]
+    np.testing.assert_allclose([r["nll"] for r in got["rows"]], [r["nll"] for r in result.rows], rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------

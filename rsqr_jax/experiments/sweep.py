@@ -16,6 +16,10 @@ import csv
 import dataclasses
 import itertools
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -76,6 +80,79 @@ def request_host_devices(n: int | None) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def check_processes(n: int, devices: int | None) -> int:
+    """Devices per local process for `--processes n` (one-line ConfigError if this machine cannot run them).
+
+    Each process needs a core of its own (they step in lockstep through the collectives, so two on one core
+    only take turns); `devices` is the total over all processes (default: one per process)."""
+    cores = os.cpu_count() or 1
+    if n < 1:
+        raise ConfigError(f"--processes must be >= 1, got {n}")
+    if n > cores:
+        raise ConfigError(f"--processes {n}: this machine has {cores} CPU core(s), one local process per core at most")
+    total = n if devices is None else devices
+    if total % n:
+        raise ConfigError(f"--devices {total} does not split evenly over --processes {n}")
+    return total // n
+
+
+def _loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local_processes(argv: list[str], n: int, local_devices: int, *, timeout: float | None = None) -> int:
+    """Run `argv` (a command line that accepts --coordinator/--num-processes/--process-id) as the n processes
+    of one jax.distributed job on a loopback coordinator, each with `local_devices` CPU devices.
+
+    Process 0's stderr is this terminal's, its stdout is relayed when it ends without gloo's connection
+    notices (which gloo prints on stdout, and which would break --json); the others write to temporary
+    files. If one fails, the rest are stopped and its last stderr line is reported. Returns the exit code."""
+    port = _loopback_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local_devices}".strip()
+    procs, logs = [], []
+    with tempfile.TemporaryDirectory(prefix="rsqr_sweep_") as tmp:
+        for i in range(n):
+            cmd = [*argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)]
+            log = open(os.path.join(tmp, f"process{i}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log if i == 0 else subprocess.DEVNULL,
+                                          stderr=None if i == 0 else log))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+                if failed or all(c == 0 for c in codes):
+                    logs[0].seek(0)
+                    sys.stdout.write("".join(ln for ln in logs[0] if not ln.startswith("[Gloo]")))
+                    sys.stdout.flush()
+                if failed:
+                    i = failed[0]
+                    if i:  # process 0 reported its own error on this terminal
+                        logs[i].seek(0)
+                        lines = [ln for ln in logs[i].read().splitlines() if ln.strip()]
+                        status(f"error: process {i} of {n} exited with code {codes[i]}: "
+                               f"{lines[-1] if lines else '(no output)'}")
+                    return codes[i]
+                if all(c == 0 for c in codes):
+                    return 0
+                if deadline is not None and time.monotonic() > deadline:
+                    status(f"error: the {n} processes did not finish within {timeout:.0f}s")
+                    return 1
+                time.sleep(0.1)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
 
 
 def quick_model(dtype: str = "float32", kernel: str = "xla"):
@@ -221,15 +298,19 @@ def run(config: SweepConfig, apply_fn, params, model_config, tokenizer=None, *, 
     n_dev = n_avail if config.devices is None else config.devices
     if n_dev > n_avail:
         raise ConfigError(f"--devices {n_dev}: only {n_avail} {jax.default_backend()} device(s) available")
+    if jax.process_count() > 1 and n_dev != n_avail:  # every process must hold a part of the mesh
+        raise ConfigError(f"--devices {n_dev}: a {jax.process_count()}-process run shards over all {n_avail} devices")
     tokens_1xT = load_tokens(config.text, config.tokens, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
                              seed=config.seed)
     n_pol = len(names)
     mesh = make_mesh(n_dev) if n_dev > 1 else None
     source = os.path.basename(config.text) if config.text else f"random tokens (seed {config.seed})"
-    status(f"{n_pol} policies x {config.tokens} tokens of {source}, {config.dtype}, chunk {config.chunk}, "
-           f"{n_dev} {jax.default_backend()} device(s)")
+    if jax.process_index() == 0:
+        status(f"{n_pol} policies x {config.tokens} tokens of {source}, {config.dtype}, chunk {config.chunk}, "
+               f"{n_dev} {jax.default_backend()} device(s) in {jax.process_count()} process(es)")
 
-    with progress(config.tokens - 1, f"sweep x{n_pol}", enabled=config.progress) as bar:
+    first = jax.process_index() == 0
+    with progress(config.tokens - 1, f"sweep x{n_pol}", enabled=config.progress and first) as bar:
         t0 = time.perf_counter()
         nll_PxBxT = sweep_nll(apply_fn, params, tokens_1xT, policies, config=model_config, dtype=config.dtype,
                               chunk=config.chunk, segment=config.segment, mesh=mesh,
@@ -251,6 +332,6 @@ def run(config: SweepConfig, apply_fn, params, model_config, tokenizer=None, *, 
     meta = {"task": config.task, "grid": config.grid, "text": os.path.abspath(config.text) if config.text else None,
             "seed": config.seed, "n_tokens": config.tokens, "n_scored": n_scored, "dtype": config.dtype,
             "chunk": config.chunk, "segment": config.segment, "bucket": config.bucket, "n_policies": n_pol,
-            "devices": n_dev, "backend": jax.default_backend(), "model": model_name, "elapsed_s": elapsed,
+            "devices": n_dev, "processes": jax.process_count(), "backend": jax.default_backend(), "model": model_name, "elapsed_s": elapsed,
             "policy_tokens_per_s": n_pol * n_scored / elapsed}
     return SweepResult(config, meta, rows, nll_PxBxT[:, 0])
