@@ -44,7 +44,7 @@ from rsqr_jax import policy as P
 from rsqr_jax.cache import KVCache, init_policy_cache
 from rsqr_jax.engine import stream_nll
 from rsqr_jax.policy import Policy, PolicyError
-from rsqr_jax.spec import CacheSpec
+from rsqr_jax.spec import CacheSpec, ColdStore
 
 MESH_AXES = ("policy", "batch")
 
@@ -194,14 +194,15 @@ def _n_policies(policies: Policy) -> int:
 
 def sweep_nll(apply_fn, params, tokens_BxT, policies: Policy | list[Policy], *, config=None,
               spec: CacheSpec | None = None, dtype: str = "float32", chunk: int = 1, segment: int = 256,
-              mesh: Mesh | None = None, progress=None, return_cache: bool = False):
+              mesh: Mesh | None = None, progress=None, return_cache: bool = False, cold: ColdStore | None = None):
     """NLL [P, B, T-1] (float32 numpy) of every policy of the batch, streamed in one vmapped evaluation.
 
     `config` is anything with num_layers / num_kv_heads / head_dim (e.g. a model config); the cache
     spec is the union over the batch (pass `spec` to override). Token t+1 is scored from the logits
     at t, exactly as `stream_nll` does for one policy. With `mesh` (axes "policy", "batch"), the
     policy batch, the vmapped cache and the text batch are sharded and the weights replicated.
-    return_cache: also return the final vmapped cache (padded to the mesh, [P_pad, ...]).
+    return_cache: also return the final vmapped cache (padded to the mesh, [P_pad, ...]). cold: the
+    recall tier's store when a policy of the batch recalls (default ColdStore()).
     """
     if isinstance(policies, (list, tuple)):
         policies = P.stack_policies(list(policies))
@@ -228,8 +229,10 @@ def sweep_nll(apply_fn, params, tokens_BxT, policies: Policy | list[Policy], *, 
     if spec is None:
         if config is None:
             raise ValueError("sweep_nll needs config= (num_layers, num_kv_heads, head_dim) or spec=")
+        recalls = bool(np.any(np.asarray(policies.recall_pages) > 0))
         spec = CacheSpec.for_policies(policies, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                                      head_dim=config.head_dim, batch=B_pad, dtype=dtype, max_chunk=chunk, max_len=T)
+                                      head_dim=config.head_dim, batch=B_pad, dtype=dtype, max_chunk=chunk, max_len=T,
+                                      **((cold or ColdStore()).spec_kwargs() if recalls else {}))
     elif spec.batch != B_pad:
         spec = dataclasses.replace(spec, batch=B_pad)
 

@@ -37,11 +37,14 @@ def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr")
     add_recall_args(p)
 
 
-def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int = 0, what: str = "") -> None:
-    """The recall tier's flags (DESIGN section 3b); `what` says which arm they apply to, if not --policy."""
+def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int = 0, what: str = "",
+                    pages: bool = True) -> None:
+    """The recall tier's flags (DESIGN section 3b); `what` says which arm they apply to, if not --policy;
+    pages=False leaves out --recall-pages (where a grid sets it)."""
     g = p.add_argument_group("recall tier (rsqr, streamingllm)" + (f": {what}" if what else ""))
-    g.add_argument("--recall-pages", type=int, default=default_pages,
-                   help="cold pages each layer recalls per step (0 = off; DESIGN section 3b)")
+    if pages:
+        g.add_argument("--recall-pages", type=int, default=default_pages,
+                       help="cold pages each layer recalls per step (0 = off; DESIGN section 3b)")
     g.add_argument("--cold-capacity", type=int, default=4096,
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
@@ -67,16 +70,10 @@ def policy_from_args(args):
                        recall_pages=getattr(args, "recall_pages", 0))
 
 
-def cold_store_from_args(args):
-    """The recall tier's ColdStore of the flags (None unless recall is on); one-line errors for impossible
-    values, before anything loads."""
+def cold_store_flags(args):
+    """The ColdStore of --cold-capacity --page-size --page-score --recall-neighbors; one-line errors."""
     from rsqr_jax.spec import ColdStore
 
-    k = getattr(args, "recall_pages", 0)
-    if k < 0:
-        raise UsageError(f"--recall-pages must be >= 0, got {k}")
-    if not k:
-        return None
     if args.page_size < 1:
         raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
     if args.cold_capacity < args.page_size or args.cold_capacity % args.page_size:
@@ -87,9 +84,20 @@ def cold_store_from_args(args):
     if args.recall_neighbors < 0:
         raise UsageError(f"--recall-neighbors must be >= 0, got {args.recall_neighbors}")
     try:
-        cold = ColdStore(args.cold_capacity, args.page_size, args.page_score, args.recall_neighbors)
+        return ColdStore(args.cold_capacity, args.page_size, args.page_score, args.recall_neighbors)
     except ValueError as e:
         raise UsageError(f"recall flags: {e}") from None
+
+
+def cold_store_from_args(args):
+    """The recall tier's ColdStore of the flags (None unless recall is on); one-line errors for impossible
+    values, before anything loads."""
+    k = getattr(args, "recall_pages", 0)
+    if k < 0:
+        raise UsageError(f"--recall-pages must be >= 0, got {k}")
+    if not k:
+        return None
+    cold = cold_store_flags(args)
     if k > cold.pages:
         raise UsageError(f"--recall-pages {k} exceeds the cold store's {cold.pages} pages")
     return cold

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import sys
 
-from _common import DEFAULT_TEXT, REPO_ROOT, Parser, UsageError, add_model_args, check_model_args, run_main
+from _common import (DEFAULT_TEXT, REPO_ROOT, Parser, UsageError, add_model_args, add_recall_args, check_model_args,
+                     cold_store_flags, run_main)
 
 from rsqr_jax.experiments import sweep as X
 
@@ -55,6 +56,7 @@ def build_parser() -> Parser:
     p.add_argument("--out", default=str(REPO_ROOT / "runs" / "sweep"), help="output directory")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true")
+    add_recall_args(p, what="the store of grid entries with recall_pages > 0", pages=False)
     add_model_args(p)
     return p
 
@@ -62,7 +64,7 @@ def build_parser() -> Parser:
 def config_from_args(args) -> X.SweepConfig:
     given = {k: getattr(args, k) for k in ("grid", "tokens", "segment", "bucket") if getattr(args, k) is not None}
     common = dict(task=args.task, chunk=args.chunk, sort=args.sort, devices=args.devices, dtype=args.dtype,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, cold=cold_store_flags(args))
     if args.quick:
         return X.SweepConfig.quick(text=None, **common, **given)
     return X.SweepConfig(text=args.text, **common, **given)

@@ -347,3 +347,25 @@ def test_bench_sweep_cli_quick_writes_json_in_out_dir(tmp_path):
     assert doc == json.loads((tmp_path / BX.JSON_NAME).read_text())
     assert set(doc["arms"]) == set(BX.ARMS) and doc["summary"]["max_rel_ppl_diff"] < 1e-5
     assert doc["arms"]["vmapped"]["n_policies"] == 8 and doc["arms"]["vmapped"]["n_scored"] == 39
+
+
+def test_sweep_experiment_with_recall_grid_entries():
+    """recall_pages is a grid axis: the entries with recall get the config's cold store (in the vmapped
+    spec and in their own cache size), and a store that keeps every evicted token, fully recalled, scores
+    exactly what full attention scores (DESIGN section 3b)."""
+    import rsqr_jax as rj
+    from rsqr_jax.spec import ColdStore
+
+    apply_fn, params = _model()
+    grid = "mode=rsqr window=6 sinks=2 delta=3 max_survivors=3 recall_pages=0,12"
+    config = SX.SweepConfig(grid=grid, text=None, seed=7, tokens=T, segment=SEGMENT, bucket=16, sort="grid",
+                            progress=False, cold=ColdStore(T, 4))
+    result = SX.run(config, apply_fn, params, CFG, model_name="tiny")
+    plain, recall = result.rows
+    tokens = SX.load_tokens(None, T, vocab_size=CFG.vocab_size, seed=7)
+    full = rj.CacheSpec.for_policies(rj.full(), num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
+                                     head_dim=CFG.head_dim, max_len=T)
+    full_nll = rj.stream_nll(apply_fn, params, tokens, rj.full(), full, segment=SEGMENT)[0][0]
+    assert recall["recall_pages"] == 12 and plain["recall_pages"] == 0 and "recall=12" in recall["name"]
+    np.testing.assert_allclose(result.nll_PxT[1], full_nll, atol=5e-5)
+    assert np.abs(result.nll_PxT[0] - full_nll).max() > 1e-3 and recall["cache_kib"] > plain["cache_kib"]

@@ -25,13 +25,14 @@ import time
 import numpy as np
 
 from rsqr_jax.experiments.common import ConfigError, check_stream_shape, progress, read_tokens, status, write_json_atomic
+from rsqr_jax.spec import ColdStore
 
 DEFAULT_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=128,256 delta=4,8,16"
 QUICK_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=8,16 delta=4 max_survivors=8"
 TASKS = ("ppl",)
 SORTS = ("ppl", "name", "grid")
-CSV_COLUMNS = ("rank", "name", "mode", "window", "n_sink", "delta", "max_survivors", "block", "overflow", "ppl",
-               "nll", "cache_kib")
+CSV_COLUMNS = ("rank", "name", "mode", "window", "n_sink", "delta", "max_survivors", "block", "overflow",
+               "recall_pages", "ppl", "nll", "cache_kib")
 MODE_COLORS = {"full": "black", "window": "tab:gray", "streamingllm": "tab:blue", "leave_gaps": "tab:orange",
                "rerotate": "tab:red", "replay": "tab:purple", "rsqr": "tab:green", "rsqr_precompute": "tab:olive"}
 
@@ -52,6 +53,7 @@ class SweepConfig:
     task: str = "ppl"
     seed: int = 0  # random token ids when text is None
     progress: bool = True
+    cold: ColdStore = ColdStore()  # the recall tier's store, for grid entries with recall_pages > 0
 
     @classmethod
     def quick(cls, **overrides) -> "SweepConfig":
@@ -313,7 +315,7 @@ def run(config: SweepConfig, apply_fn, params, model_config, tokenizer=None, *, 
     with progress(config.tokens - 1, f"sweep x{n_pol}", enabled=config.progress and first) as bar:
         t0 = time.perf_counter()
         nll_PxBxT = sweep_nll(apply_fn, params, tokens_1xT, policies, config=model_config, dtype=config.dtype,
-                              chunk=config.chunk, segment=config.segment, mesh=mesh,
+                              chunk=config.chunk, segment=config.segment, mesh=mesh, cold=config.cold,
                               progress=lambda n: bar.update(n - bar.n))
         elapsed = time.perf_counter() - t0
     if not np.all(np.isfinite(nll_PxBxT)):
@@ -324,9 +326,10 @@ def run(config: SweepConfig, apply_fn, params, model_config, tokenizer=None, *, 
         h = pol.host()
         own = CacheSpec.for_policies(pol, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                      head_dim=model_config.head_dim, dtype=config.dtype, max_chunk=config.chunk,
-                                     max_len=config.tokens)
+                                     max_len=config.tokens, **(config.cold.spec_kwargs() if h["recall_pages"] else {}))
         r.update(mode=MODES[h["mode"]], window=h["window"], n_sink=h["n_sink"], delta=h["delta"],
                  max_survivors=h["max_survivors"], block=h["block"], overflow=OVERFLOWS[h["overflow"]],
+                 recall_pages=h["recall_pages"],
                  cache_kib=own.bytes_by_part(pol)["total"] / 1024)
     n_scored = int(nll_PxBxT.shape[-1])
     meta = {"task": config.task, "grid": config.grid, "text": os.path.abspath(config.text) if config.text else None,
