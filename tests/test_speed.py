@@ -13,10 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +33,6 @@ from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 from rsqr_jax.testing.tokenizer import ByteTokenizer
 from tests.cli import assert_one_line_errors
 
-REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config()
 
 
