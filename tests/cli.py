@@ -1,11 +1,14 @@
-"""The one helper for command-line tests: run a script of scripts/ in a subprocess, and assert the
-bad-input contract (exit code 2, one error line on stderr, no traceback, nothing on stdout)."""
+"""The helpers for command-line tests: run a script of scripts/ in a subprocess (or a batch of runs in one
+subprocess), and assert the bad-input contract (exit code 2, one error line on stderr, no traceback,
+nothing on stdout)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,6 +21,26 @@ def run_script(script: str, *args: str, stdin: str | None = None, timeout: int =
     kw.setdefault("env", ENV)
     return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, cwd=REPO, **kw)
+
+
+def run_scripts(cases, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """[(script, args) or (script, args, stdin), ...] run one after another in ONE subprocess
+    (tests/script_driver.py): each case as its script's __main__ with its own argv, stdin and captured
+    output, so N error cases pay for one interpreter and one jax import instead of N. Same results as N
+    run_script calls for cases that fail before doing real work (checked when this was written); keep one
+    run_script case per script so the real process (interpreter exit code, a fresh import) stays tested."""
+    cases = [(c[0], list(c[1]), c[2] if len(c) > 2 else None) for c in cases]
+    payload = json.dumps([{"path": str(REPO / "scripts" / s), "args": a, "stdin": i} for s, a, i in cases])
+    # The scripts import their shared module as `_common` (python puts a script's directory first on sys.path).
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), ENV["PYTHONPATH"]])}
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "results.json"
+        proc = subprocess.run([sys.executable, "-m", "tests.script_driver", str(result_file)], input=payload,
+                              capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+        assert proc.returncode == 0 and result_file.is_file(), f"script driver failed:\n{proc.stderr[-3000:]}"
+        results = json.loads(result_file.read_text())
+    return [subprocess.CompletedProcess([sys.executable, str(REPO / "scripts" / s), *a], r["returncode"], r["stdout"],
+                                        r["stderr"]) for (s, a, _), r in zip(cases, results)]
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str, *, after_status: bool = False,
@@ -33,3 +56,16 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str, *, a
     assert fragment in lines[-1], lines[-1]
     assert proc.stdout == "", proc.stdout
     return lines[-1]
+
+
+def assert_one_line_errors(cases, **kw) -> None:
+    """run_scripts(cases) with cases (script, args, fragment[, stdin]): every one must be a one-line error
+    containing its fragment; reports every failing case, not only the first."""
+    procs = run_scripts([(s, a) + tuple(rest[1:]) for s, a, *rest in cases])
+    failures = []
+    for (script, args, fragment, *_), proc in zip(cases, procs):
+        try:
+            assert_one_line_error(proc, fragment, **kw)
+        except AssertionError as e:
+            failures.append(f"{script} {' '.join(map(str, args))}: {e}")
+    assert not failures, "\n\n".join(failures)

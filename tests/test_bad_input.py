@@ -20,7 +20,7 @@ from rsqr_jax.spec import CacheSpec, validate
 from rsqr_jax.policy import PolicyError
 from rsqr_jax.session import Session, SessionFileError
 from rsqr_jax.engine import stream_nll
-from tests.cli import assert_one_line_error
+from tests.cli import assert_one_line_error, run_scripts
 from tests.cli import run_script as run
 from tests.tiny_session import CFG, IDENTITY, POLICIES, SPEC, make_session, model
 
@@ -31,10 +31,11 @@ def assert_error_after_loading(proc, script: str, fragment: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line: decode.py and eval_stream.py (rows that fail before the model is loaded).
+# Command line: decode.py and eval_stream.py (rows that fail before the model is loaded). Every case of this
+# section runs in one batch (tests/cli.py run_scripts: one interpreter, each case as its script's __main__);
+# tests/test_cli.py keeps real single-process runs of both scripts.
 
-
-@pytest.mark.parametrize("args,fragment", [
+DECODE_FLAGS = [
     (["--sinks", "-1"], "n_sink must be >= 0"),
     (["--max-survivors", "0"], "max_survivors must be >= 1 when delta > 0"),
     (["--block", "0"], "block must be >= 1"),
@@ -49,72 +50,15 @@ def assert_error_after_loading(proc, script: str, fragment: str) -> None:
     (["--prefill-chunk", "0"], "--prefill-chunk must be positive"),
     (["--prompt", "   "], "--prompt is empty"),
     (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
-])
-def test_decode_bad_flags(args, fragment):
-    assert_one_line_error(run("decode.py", *args), fragment)
-
-
-@pytest.mark.parametrize("args,fragment", [
+]
+EVAL_FLAGS = [
     (["--chunk", "0"], "--chunk must be >= 1"),
     (["--chunk", "3", "--segment", "256"], "divide --segment"),
     (["--bucket", "0"], "--bucket must be >= 1"),
     (["--chunk", "64", "--window", "32", "--segment", "256"], "--chunk 64 is larger than --window 32"),
     (["--sinks", "-2"], "n_sink must be >= 0"),
-])
-def test_eval_bad_flags(args, fragment):
-    assert_one_line_error(run("eval_stream.py", *args), fragment)
-
-
-def test_bad_text_and_prompt_files(tmp_path):
-    empty, latin1 = tmp_path / "empty.txt", tmp_path / "latin1.txt"
-    empty.write_text(" \n\n")
-    latin1.write_bytes("caf\xe9 au lait".encode("latin-1"))
-    assert_one_line_error(run("eval_stream.py", "--text", str(empty)), "is empty")
-    assert_one_line_error(run("eval_stream.py", "--text", str(latin1)), "is not UTF-8")
-    assert_one_line_error(run("eval_stream.py", "--text", str(tmp_path)), "text file not found")
-    assert_one_line_error(run("decode.py", "--prompt-file", str(latin1)), "is not UTF-8")
-    assert_one_line_error(run("decode.py", "--prompt-file", str(tmp_path)), "cannot read prompt file")
-
-
-def test_bad_model_paths(tmp_path):
-    # Missing, truncated and unsupported-architecture models: tests/test_cli.py; the loader itself:
-    # tests/test_loading.py. Here: a directory that is not a model, and a file that is not a model.
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"not a model at all" * 8)
-    assert_one_line_error(run("decode.py", "--model", str(tmp_path), "--prompt", "hi"), "no config.json")
-    assert_one_line_error(run("eval_stream.py", "--model", str(junk)), "is not a GGUF file")
-
-
-def test_save_to_an_unusable_path_fails_before_any_work(tmp_path):
-    a_file = tmp_path / "file"
-    a_file.write_text("x")
-    for target, fragment in [(tmp_path / "no_dir" / "s.session", "does not exist"),
-                             (tmp_path, "is a directory"),
-                             (a_file / "s.session", "does not exist")]:
-        assert_one_line_error(run("decode.py", "--prompt", "hi", "--save", str(target)), fragment)
-    assert sorted(os.listdir(tmp_path)) == ["file"]  # nothing half-written
-
-
-@pytest.fixture(scope="module")
-def tiny_session_file(tmp_path_factory):
-    """A valid session file (of the tiny model, so no real model is needed to write it)."""
-    s = make_session("rsqr")
-    s.feed(np.arange(10) % CFG.vocab_size)
-    path = tmp_path_factory.mktemp("sessions") / "tiny.session"
-    s.save(path, IDENTITY, extra={"chat": True, "messages": [], "fed_text": ""})
-    return path
-
-
-def test_resume_bad_files(tmp_path, tiny_session_file):
-    raw = tiny_session_file.read_bytes()
-    (tmp_path / "cut.session").write_bytes(raw[: len(raw) // 3])
-    (tmp_path / "text.session").write_text("hello")
-    assert_one_line_error(run("decode.py", "--resume", str(tmp_path / "none.session")), "session file not found")
-    assert_one_line_error(run("decode.py", "--resume", str(tmp_path / "cut.session")), "truncated or corrupt")
-    assert_one_line_error(run("decode.py", "--resume", str(tmp_path / "text.session")), "is not a session file")
-
-
-@pytest.mark.parametrize("args,fragment", [
+]
+RESUME_CONFLICTS = [
     (["--policy", "rsqr_precompute"], "--policy rsqr_precompute conflicts with the resumed session (policy = rsqr)"),
     (["--window", "64"], "--window 64 conflicts with the resumed session (window = 8)"),
     (["--overflow", "decimate"], "--overflow decimate conflicts"),
@@ -122,28 +66,108 @@ def test_resume_bad_files(tmp_path, tiny_session_file):
     (["--seed", "3"], "--seed 3 conflicts"),
     (["--prefill-chunk", "16"], "--prefill-chunk 16 conflicts"),
     (["--dtype", "bfloat16"], "--dtype bfloat16 conflicts"),
-])
-def test_resume_conflicting_flags(tiny_session_file, args, fragment):
-    assert_one_line_error(run("decode.py", "--resume", str(tiny_session_file), *args), fragment)
+]
 
 
-def test_resume_with_a_plain_session_rejects_chat(tmp_path):
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The input files of the cases below: bad text/prompt/model files, and session files of the tiny
+    model (valid, truncated, not a session, a plain session); `save` is a directory holding only `file`."""
+    d = tmp_path_factory.mktemp("bad_input")
+    (d / "empty.txt").write_text(" \n\n")
+    (d / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (d / "junk.gguf").write_bytes(b"not a model at all" * 8)
+    (d / "save").mkdir()
+    (d / "save" / "file").write_text("x")
+    s = make_session("rsqr")
+    s.feed(np.arange(10) % CFG.vocab_size)
+    s.save(d / "tiny.session", IDENTITY, extra={"chat": True, "messages": [], "fed_text": ""})
+    raw = (d / "tiny.session").read_bytes()
+    (d / "cut.session").write_bytes(raw[: len(raw) // 3])
+    (d / "text.session").write_text("hello")
     s = make_session("rsqr")
     s.feed([1, 2, 3])
-    s.save(tmp_path / "plain.session", IDENTITY, extra={"chat": False})
-    assert_one_line_error(run("decode.py", "--resume", str(tmp_path / "plain.session"), "--chat"),
+    s.save(d / "plain.session", IDENTITY, extra={"chat": False})
+    return d
+
+
+def _cases(d) -> list[tuple[str, list[str]]]:
+    save = d / "save"
+    return ([("decode.py", a) for a, _ in DECODE_FLAGS] + [("eval_stream.py", a) for a, _ in EVAL_FLAGS]
+            + [("decode.py", ["--resume", str(d / "tiny.session"), *a]) for a, _ in RESUME_CONFLICTS]
+            + [("eval_stream.py", ["--text", str(d / "empty.txt")]), ("eval_stream.py", ["--text", str(d / "latin1.txt")]),
+               ("eval_stream.py", ["--text", str(d)]), ("decode.py", ["--prompt-file", str(d / "latin1.txt")]),
+               ("decode.py", ["--prompt-file", str(d)]),
+               ("decode.py", ["--model", str(d), "--prompt", "hi"]), ("eval_stream.py", ["--model", str(d / "junk.gguf")]),
+               ("decode.py", ["--resume", str(d / "none.session")]), ("decode.py", ["--resume", str(d / "cut.session")]),
+               ("decode.py", ["--resume", str(d / "text.session")]),
+               ("decode.py", ["--resume", str(d / "plain.session"), "--chat"])]
+            + [("decode.py", ["--prompt", "hi", "--save", str(t)])
+               for t in (save / "no_dir" / "s.session", save, save / "file" / "s.session")])
+
+
+@pytest.fixture(scope="module")
+def cli(files):
+    """{(script, *args): finished process} of every case above, run in one batch."""
+    cases = _cases(files)
+    return {(s, *a): proc for (s, a), proc in zip(cases, run_scripts(cases))}
+
+
+@pytest.mark.parametrize("args,fragment", DECODE_FLAGS)
+def test_decode_bad_flags(cli, args, fragment):
+    assert_one_line_error(cli["decode.py", *args], fragment)
+
+
+@pytest.mark.parametrize("args,fragment", EVAL_FLAGS)
+def test_eval_bad_flags(cli, args, fragment):
+    assert_one_line_error(cli["eval_stream.py", *args], fragment)
+
+
+def test_bad_text_and_prompt_files(cli, files):
+    assert_one_line_error(cli["eval_stream.py", "--text", str(files / "empty.txt")], "is empty")
+    assert_one_line_error(cli["eval_stream.py", "--text", str(files / "latin1.txt")], "is not UTF-8")
+    assert_one_line_error(cli["eval_stream.py", "--text", str(files)], "text file not found")
+    assert_one_line_error(cli["decode.py", "--prompt-file", str(files / "latin1.txt")], "is not UTF-8")
+    assert_one_line_error(cli["decode.py", "--prompt-file", str(files)], "cannot read prompt file")
+
+
+def test_bad_model_paths(cli, files):
+    # Missing, truncated and unsupported-architecture models: tests/test_cli.py; the loader itself:
+    # tests/test_loading.py. Here: a directory that is not a model, and a file that is not a model.
+    assert_one_line_error(cli["decode.py", "--model", str(files), "--prompt", "hi"], "no config.json")
+    assert_one_line_error(cli["eval_stream.py", "--model", str(files / "junk.gguf")], "is not a GGUF file")
+
+
+def test_save_to_an_unusable_path_fails_before_any_work(cli, files):
+    save = files / "save"
+    for target, fragment in [(save / "no_dir" / "s.session", "does not exist"),
+                             (save, "is a directory"),
+                             (save / "file" / "s.session", "does not exist")]:
+        assert_one_line_error(cli["decode.py", "--prompt", "hi", "--save", str(target)], fragment)
+    assert sorted(os.listdir(save)) == ["file"]  # nothing half-written
+
+
+def test_resume_bad_files(cli, files):
+    assert_one_line_error(cli["decode.py", "--resume", str(files / "none.session")], "session file not found")
+    assert_one_line_error(cli["decode.py", "--resume", str(files / "cut.session")], "truncated or corrupt")
+    assert_one_line_error(cli["decode.py", "--resume", str(files / "text.session")], "is not a session file")
+
+
+@pytest.mark.parametrize("args,fragment", RESUME_CONFLICTS)
+def test_resume_conflicting_flags(cli, files, args, fragment):
+    assert_one_line_error(cli["decode.py", "--resume", str(files / "tiny.session"), *args], fragment)
+
+
+def test_resume_with_a_plain_session_rejects_chat(cli, files):
+    assert_one_line_error(cli["decode.py", "--resume", str(files / "plain.session"), "--chat"],
                           "--chat conflicts with the resumed session")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line: rows that need the real model's config (read before its tokenizer and weights).
+# Command line: rows that need the real model's config (read before its tokenizer and weights); one batch.
 
 
-def test_cache_larger_than_memory_is_refused_before_loading(smollm2_path):
-    assert_one_line_error(run("decode.py", "--window", "200000000", "--prompt", "hi"), "the cache needs")
-
-
-def test_resume_for_another_model_is_refused(tmp_path, smollm2_path):
+def test_cache_too_large_and_a_session_of_another_model_are_refused_before_loading(tmp_path, smollm2_path):
     from models.llama import LoadedModel
     from models.loading import load_config
 
@@ -152,8 +176,10 @@ def test_resume_for_another_model_is_refused(tmp_path, smollm2_path):
     s.feed([1, 2, 3])
     path = tmp_path / "tiny_as_real.session"
     s.save(path, {**real, "num_layers": CFG.num_layers}, extra={"chat": False})  # claims the real model's path
-    assert_one_line_error(run("decode.py", "--resume", str(path), "--prompt", "hi"),
-                          "was saved for another model (num_layers: 2 != 30)")
+    too_large, other_model = run_scripts([("decode.py", ["--window", "200000000", "--prompt", "hi"]),
+                                          ("decode.py", ["--resume", str(path), "--prompt", "hi"])])
+    assert_one_line_error(too_large, "the cache needs")
+    assert_one_line_error(other_model, "was saved for another model (num_layers: 2 != 30)")
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ import pytest
 from rsqr_jax.experiments import chat
 from rsqr_jax.experiments.common import ConfigError
 from rsqr_jax.session import Session
-from tests.test_cli import assert_one_line_error, run
+from tests.cli import assert_one_line_error, run_scripts
+from tests.cli import run_script as run
 from tests.tiny_session import CFG, CHUNK, IDENTITY, POLICIES, SPEC, make_session, model
 
 
@@ -146,34 +147,47 @@ def test_apply_resume_refuses_conflicting_flags(header, dest, value, fragment):
 # decode.py: the dtype flags and --out (errors found before the model is loaded).
 
 
-@pytest.mark.parametrize("args,fragment", [
+DTYPE_FLAGS = [
     (["--weights-dtype", "float16"], "--weights-dtype must be float32, bfloat16 or auto, got 'float16'"),
     (["--cache-dtype", "int8"], "--cache-dtype must be float32 or bfloat16, got 'int8'"),
     (["--dtype", "bfloat16", "--cache-dtype", "float32"], "--dtype bfloat16 and --cache-dtype float32 disagree"),
-])
-def test_decode_bad_dtype_flags(args, fragment):
-    assert_one_line_error(run("decode.py", *args), fragment)
+]
 
 
-def test_decode_out_must_be_a_directory(tmp_path):
-    f = tmp_path / "file"
-    f.write_text("x")
-    assert_one_line_error(run("decode.py", "--out", str(f)), "--out")
-
-
-def test_decode_resume_refuses_other_dtypes(tmp_path):
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """(input dir, {(*args): finished process}) of every decode.py case below, run in one batch
+    (tests/cli.py run_scripts)."""
+    d = tmp_path_factory.mktemp("chat_cli")
+    (d / "file").write_text("x")
     s = make_session("rsqr")
     s.feed([1, 2, 3])
-    path = tmp_path / "t.session"
-    s.save(path, IDENTITY, extra={"chat": False})
-    assert_one_line_error(run("decode.py", "--resume", str(path), "--weights-dtype", "bfloat16"),
+    s.save(d / "t.session", IDENTITY, extra={"chat": False})
+    args = [a for a, _ in DTYPE_FLAGS] + [["--out", str(d / "file")], ["--help"]] + [
+        ["--resume", str(d / "t.session"), flag, "bfloat16"] for flag in ("--weights-dtype", "--cache-dtype")]
+    return d, {tuple(a): proc for a, proc in zip(args, run_scripts([("decode.py", a) for a in args]))}
+
+
+@pytest.mark.parametrize("args,fragment", DTYPE_FLAGS)
+def test_decode_bad_dtype_flags(cli, args, fragment):
+    assert_one_line_error(cli[1][tuple(args)], fragment)
+
+
+def test_decode_out_must_be_a_directory(cli):
+    d, procs = cli
+    assert_one_line_error(procs["--out", str(d / "file")], "--out")
+
+
+def test_decode_resume_refuses_other_dtypes(cli):
+    d, procs = cli
+    assert_one_line_error(procs["--resume", str(d / "t.session"), "--weights-dtype", "bfloat16"],
                           "--weights-dtype bfloat16 conflicts")
-    assert_one_line_error(run("decode.py", "--resume", str(path), "--cache-dtype", "bfloat16"),
+    assert_one_line_error(procs["--resume", str(d / "t.session"), "--cache-dtype", "bfloat16"],
                           "--cache-dtype bfloat16 conflicts")
 
 
-def test_decode_help_names_the_dtype_defaults():
-    proc = run("decode.py", "--help")
+def test_decode_help_names_the_dtype_defaults(cli):
+    proc = cli[1][("--help",)]
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     assert "--weights-dtype" in text and "float32 on CPU" in text and "--cache-dtype" in text

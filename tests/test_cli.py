@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import assert_one_line_error
+from tests.cli import assert_one_line_error, run_scripts
 from tests.cli import run_script as run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,7 +18,7 @@ def test_unknown_policy(script):
     assert_one_line_error(run(script, "--policy", "sinkcache"), "unknown policy 'sinkcache'")
 
 
-@pytest.mark.parametrize("args,fragment", [
+DECODE_FLAGS = [
     (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["--max-new-tokens", "-3"], "--max-new-tokens must be positive"),
     (["--max-new-tokens", "many"], "invalid int value"),
@@ -28,21 +28,44 @@ def test_unknown_policy(script):
     (["--dtype", "float16"], "--dtype must be float32 or bfloat16"),
     (["--model", "/nonexistent/model.gguf"], "model not found"),
     (["--prompt", "hi", "--prompt-file", "x"], "not both"),
-])
-def test_decode_bad_flags(args, fragment):
-    assert_one_line_error(run("decode.py", *args), fragment)
+]
 
 
-def test_decode_empty_prompt_file(tmp_path):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n")
-    assert_one_line_error(run("decode.py", "--prompt-file", str(empty)), "is empty")
-    assert_one_line_error(run("decode.py", "--prompt-file", str(tmp_path / "missing.txt")), "cannot read prompt file")
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """{(script, *args): finished process} of the error cases below, run in one batch (tests/cli.py
+    run_scripts; test_unknown_policy above keeps a real process per script). d: their input files."""
+    d = tmp_path_factory.mktemp("cli")
+    (d / "empty.txt").write_text("  \n")
+    (d / "mamba").mkdir()
+    (d / "mamba" / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    cases = [("decode.py", a) for a, _ in DECODE_FLAGS] + [
+        ("decode.py", ["--prompt-file", str(d / "empty.txt")]), ("decode.py", ["--prompt-file", str(d / "missing.txt")]),
+        ("eval_stream.py", ["--text", str(d / "none.txt")]), ("eval_stream.py", ["--tokens", "1"]),
+        ("decode.py", ["--model", str(d / "mamba"), "--prompt", "hi"])]
+    return d, {(s, *a): proc for (s, a), proc in zip(cases, run_scripts(cases))}
 
 
-def test_eval_bad_input(tmp_path):
-    assert_one_line_error(run("eval_stream.py", "--text", str(tmp_path / "none.txt")), "text file not found")
-    assert_one_line_error(run("eval_stream.py", "--tokens", "1"), "--tokens must be >= 2")
+@pytest.mark.parametrize("args,fragment", DECODE_FLAGS)
+def test_decode_bad_flags(cli, args, fragment):
+    assert_one_line_error(cli[1]["decode.py", *args], fragment)
+
+
+def test_decode_empty_prompt_file(cli):
+    d, procs = cli
+    assert_one_line_error(procs["decode.py", "--prompt-file", str(d / "empty.txt")], "is empty")
+    assert_one_line_error(procs["decode.py", "--prompt-file", str(d / "missing.txt")], "cannot read prompt file")
+
+
+def test_eval_bad_input(cli):
+    d, procs = cli
+    assert_one_line_error(procs["eval_stream.py", "--text", str(d / "none.txt")], "text file not found")
+    assert_one_line_error(procs["eval_stream.py", "--tokens", "1"], "--tokens must be >= 2")
+
+
+def test_unsupported_architecture(cli):
+    d, procs = cli
+    assert_one_line_error(procs["decode.py", "--model", str(d / "mamba"), "--prompt", "hi"], "mamba")
 
 
 def test_truncated_model_file(tmp_path, smollm2_path):
@@ -50,12 +73,6 @@ def test_truncated_model_file(tmp_path, smollm2_path):
     with open(smollm2_path, "rb") as f:
         cut.write_bytes(f.read(1 << 20))
     assert_one_line_error(run("decode.py", "--model", str(cut), "--prompt", "hi"), "cut.gguf")
-
-
-def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
-    proc = run("decode.py", "--model", str(tmp_path), "--prompt", "hi")
-    assert_one_line_error(proc, "mamba")
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ step plan, and one slow smoke run of `scripts/exp_drift.py --quick` on SmolLM2-1
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -221,37 +222,63 @@ def test_capture_is_the_decoder_forward(tiny):
     np.testing.assert_allclose(k[0].reshape(40, -1), np.asarray(h @ model.wk[...][0]), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,kw", [("rerotate", dict(window=8, block=1)), ("rerotate", dict(window=8, block=3)),
-                                     ("rerotate", dict(window=8, delta=3, max_survivors=2, block=2)),
-                                     ("rsqr", dict(window=8, delta=3, max_survivors=2, block=2))])
-def test_rotation_counts_match_the_step_plan(mode, kw):
-    """The token-set rotation counts equal what the engine's own plan does to the stored keys."""
+ROTATION_POLICIES = [("rerotate", dict(window=8, block=1)), ("rerotate", dict(window=8, block=3)),
+                     ("rerotate", dict(window=8, delta=3, max_survivors=2, block=2)),
+                     ("rsqr", dict(window=8, delta=3, max_survivors=2, block=2))]
+
+
+@functools.lru_cache(maxsize=None)
+def _plan_trace(T: int):
+    """jit(T steps of plan_step + commit) for any policy of ROTATION_POLICIES (the policy is data, the spec
+    their union: one compilation); returns per step what the rotation count needs from the plan."""
     import jax
 
-    from rsqr_jax import policy as P
     from rsqr_jax.cache import init_cache
-    from rsqr_jax.experiments.drift_model import rotation_counts
     from rsqr_jax.spec import CacheSpec
     from rsqr_jax.update import commit, plan_step
 
-    pol = P.make_policy(mode, n_sink=2, **{"delta": 0, **kw})
-    spec = CacheSpec.for_policies(pol, num_layers=1, num_kv_heads=1, head_dim=2)
-    cache = init_cache(spec)
-    rot_w, rot_s = np.zeros(spec.win_capacity, int), np.zeros(spec.surv_capacity, int)
-    plan_fn = jax.jit(lambda c: plan_step(c, pol, 1))
+    spec = CacheSpec.for_policies([_rotation_policy(m, kw) for m, kw in ROTATION_POLICIES], num_layers=1,
+                                  num_kv_heads=1, head_dim=2)
+
+    def run(policy):
+        def body(cache, _):
+            plan = plan_step(cache, policy, 1)
+            up, wr, kn = plan.upkeep, plan.writes, plan.kernel
+            return commit(cache, plan), (up.rerotate, wr.win_slot_C, wr.surv_slot_C, up.win_hop_W, up.surv_hop_S,
+                                         kn.win_pos_W, kn.surv_valid_S)
+
+        return jax.lax.scan(body, init_cache(spec), None, length=T)[1]
+
+    return jax.jit(run), spec
+
+
+def _rotation_policy(mode, kw):
+    from rsqr_jax import policy as P
+
+    return P.make_policy(mode, n_sink=2, **{"delta": 0, **kw})
+
+
+@pytest.mark.parametrize("mode,kw", ROTATION_POLICIES)
+def test_rotation_counts_match_the_step_plan(mode, kw):
+    """The token-set rotation counts equal what the engine's own plan does to the stored keys."""
+    from rsqr_jax.experiments.drift_model import rotation_counts
+
+    pol = _rotation_policy(mode, kw)
     T = 40
+    run, spec = _plan_trace(T)
+    rerotate_T, win_slot_TC, surv_slot_TC, win_hop_TW, surv_hop_TS, win_pos_TW, surv_valid_TS = (
+        np.asarray(x) for x in run(pol))
+    rot_w, rot_s = np.zeros(spec.win_capacity, int), np.zeros(spec.surv_capacity, int)
     r_max, r_mean = rotation_counts(T, pol.host())
     for t in range(T):
-        plan = plan_fn(cache)
-        inc = int(plan.upkeep.rerotate)
-        ws, ss = np.asarray(plan.writes.win_slot_C), np.asarray(plan.writes.surv_slot_C)
+        inc = int(rerotate_T[t])
+        ws, ss = win_slot_TC[t], surv_slot_TC[t]
         rot_w[ws[ws < len(rot_w)]] = 1
         rot_s[ss[ss < len(rot_s)]] = 1
-        rot_w += inc * np.asarray(plan.upkeep.win_hop_W)
-        rot_s += inc * np.asarray(plan.upkeep.surv_hop_S)
-        c = np.concatenate([rot_w[np.asarray(plan.kernel.win_pos_W) >= 0], rot_s[np.asarray(plan.kernel.surv_valid_S)]])
+        rot_w += inc * win_hop_TW[t]
+        rot_s += inc * surv_hop_TS[t]
+        c = np.concatenate([rot_w[win_pos_TW[t] >= 0], rot_s[surv_valid_TS[t]]])
         assert r_max[t] == c.max() and r_mean[t] == np.float32(c.sum()) / np.float32(len(c)), t
-        cache = commit(cache, plan)
     assert (r_max.max() > 1) == (mode == "rerotate")
 
 

@@ -19,6 +19,7 @@ import pytest
 from rsqr_jax.experiments import ppl, streams
 from rsqr_jax.experiments.common import ConfigError
 from rsqr_jax.experiments.ppl import PplConfig
+from tests.cli import assert_one_line_errors
 from tests.tiny_stream import load, write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,12 +211,11 @@ def run_script(*args, timeout=600):
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    for args, fragment in [(["--rescore", str(tmp_path / "no")], "not found"),
-                           (["--merge", str(tmp_path)], "--merge needs --rescore"),
-                           (["--windows", "64,x"], "--windows: expected comma-separated integers"),
-                           (["--cell-tokens", "64=3"], "--cell-tokens: bad term")]:
-        proc = run_script(*args, timeout=120)
-        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    """Every case in one batch (tests/cli.py run_scripts); test_quick_smoke runs the script as its own process."""
+    assert_one_line_errors([("exp_ppl.py", ["--rescore", str(tmp_path / "no")], "not found"),
+                            ("exp_ppl.py", ["--merge", str(tmp_path)], "--merge needs --rescore"),
+                            ("exp_ppl.py", ["--windows", "64,x"], "--windows: expected comma-separated integers"),
+                            ("exp_ppl.py", ["--cell-tokens", "64=3"], "--cell-tokens: bad term")])
 
 
 @pytest.mark.slow

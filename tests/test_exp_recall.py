@@ -28,6 +28,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.testing.oracle import reference_token_sets
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.update import step
+from tests.cli import assert_one_line_errors
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config(layers=4)  # 2 layers barely propagate context into the question's logits
@@ -341,11 +342,8 @@ def test_cli_bad_input_is_one_line(tmp_path):
     """One line on stderr, exit 2: a library ConfigError and a bad facts file (no model is loaded)."""
     f = tmp_path / "facts.txt"
     f.write_text("Alice 123\nBob 12345\n")
-    for args, fragment in ((["--cycles", "2,x"], "--cycles must be a comma-separated list"),
-                           (["--facts", str(f)], "same number of digits")):
-        proc = _run(*args)
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert_one_line_errors([("exp_recall.py", ["--cycles", "2,x"], "--cycles must be a comma-separated list"),
+                            ("exp_recall.py", ["--facts", str(f)], "same number of digits")])  # one batch
 
 
 @pytest.mark.slow

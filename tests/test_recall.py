@@ -311,19 +311,33 @@ def test_quest_bound_matches_numpy_and_bounds_every_key():
     assert (got >= exact - 1e-5).all()  # Quest's score is an upper bound
 
 
-@pytest.mark.parametrize("args,fragment", [
+RECALL_FLAGS = [
     (["--policy", "rerotate", "--recall-pages", "4"], "rerotate cannot recall evicted tokens"),
     (["--recall-pages", "-1"], "must be >= 0"),
     (["--recall-pages", "4", "--cold-capacity", "100"], "must be a positive multiple of --page-size 16"),
     (["--recall-pages", "300", "--cold-capacity", "64"], "exceeds the cold store's 4 pages"),
     (["--recall-pages", "4", "--page-score", "max"], "--page-score must be mean or quest"),
     (["--recall-pages", "4", "--recall-neighbors", "-1"], "--recall-neighbors must be >= 0"),
-])
-@pytest.mark.parametrize("script", ["decode.py", "eval_stream.py"])
-def test_recall_flags_bad_input_is_one_line(script, args, fragment):
-    from tests.cli import assert_one_line_error, run_script
+]
+COLD_TOO_LARGE = ("decode.py", ["--recall-pages", "4", "--cold-capacity", str(1 << 30)])
 
-    assert_one_line_error(run_script(script, *args, timeout=120), fragment)
+
+@pytest.fixture(scope="module")
+def cli():
+    """{(script, *args): finished process} of the recall flags' error cases, run in one batch (tests/cli.py
+    run_scripts)."""
+    from tests.cli import run_scripts
+
+    cases = [(script, a) for script in ("decode.py", "eval_stream.py") for a, _ in RECALL_FLAGS] + [COLD_TOO_LARGE]
+    return {(s, *a): proc for (s, a), proc in zip(cases, run_scripts(cases, timeout=300))}
+
+
+@pytest.mark.parametrize("args,fragment", RECALL_FLAGS)
+@pytest.mark.parametrize("script", ["decode.py", "eval_stream.py"])
+def test_recall_flags_bad_input_is_one_line(cli, script, args, fragment):
+    from tests.cli import assert_one_line_error
+
+    assert_one_line_error(cli[script, *args], fragment)
 
 
 def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
@@ -346,12 +360,11 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
         B.BenchRecallConfig(str(text), (0, 30), page_size=4)
 
 
-def test_a_cold_store_larger_than_memory_is_refused_before_loading_the_weights():
+def test_a_cold_store_larger_than_memory_is_refused_before_loading_the_weights(cli):
     from rsqr_jax.experiments.common import ConfigError, check_memory
-    from tests.cli import assert_one_line_error, run_script
+    from tests.cli import assert_one_line_error
 
-    assert_one_line_error(run_script("decode.py", "--recall-pages", "4", "--cold-capacity", str(1 << 30), timeout=120),
-                          "GiB of memory is available")
+    assert_one_line_error(cli[COLD_TOO_LARGE[0], *COLD_TOO_LARGE[1]], "GiB of memory is available")
     with pytest.raises(ConfigError, match="--cold-capacity"):
         check_memory(1 << 60)
 

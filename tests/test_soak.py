@@ -17,7 +17,7 @@ import pytest
 from rsqr_jax.experiments import soak as S
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.testing.tokenizer import ByteTokenizer
-from tests.cli import assert_one_line_error
+from tests.cli import assert_one_line_errors
 
 REPO = Path(__file__).resolve().parent.parent
 CRITERIA = S.CRITERIA
@@ -162,14 +162,15 @@ def test_floor_ratio_ignores_neighbour_bursts_but_not_a_trend():
     assert S.floor_ratio(trend, 1000, 1000)["floor_ratio"] > 1.3
 
 
-@pytest.mark.parametrize("args,fragment", [
+SOAK_FLAGS = [
     (["--tokens", "10"], "--tokens must be >="),
     (["--cache-dtype", "float16"], "--cache-dtype must be"),
     (["--policies", "sinkcache"], "unknown policy"),
     (["--text", "/nonexistent.txt"], "text file not found"),
     (["--replot", "/nonexistent.json"], "not a soak result"),
-])
-def test_soak_bad_input_is_one_line(args, fragment):
-    cmd, kw = _script(*args)
-    proc = subprocess.run(cmd, capture_output=True, timeout=60, **kw)
-    assert_one_line_error(proc, fragment)
+]
+
+
+def test_soak_bad_input_is_one_line():
+    """Every case in one batch (tests/cli.py run_scripts); the slow test above runs soak.py as its own process."""
+    assert_one_line_errors([("soak.py", args, fragment) for args, fragment in SOAK_FLAGS])

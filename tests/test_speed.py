@@ -13,10 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +32,8 @@ from rsqr_jax.spec import ColdStore
 from rsqr_jax.session import Session
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 from rsqr_jax.testing.tokenizer import ByteTokenizer
+from tests.cli import assert_one_line_errors
 
-REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config()
 
 
@@ -147,19 +143,12 @@ def test_exp_latency_rotation_counts():
     assert (rot["upkeep"][tr["replay"] > 0] == rot["n_cached"][tr["replay"] > 0]).all()
 
 
-@pytest.mark.parametrize("script,args,fragment", [
-    ("bench_decode.py", ["--cached", "0"], "must be positive"),
-    ("bench_decode.py", ["--policy", "sinkcache", "--no-hf"], "unknown policy"),
-    ("exp_latency.py", ["--policies", "nope"], "unknown policy name"),
-    ("exp_latency.py", ["--positions", "5000", "1000"], "increasing"),
-])
-def test_bad_input_is_one_line(script, args, fragment):
-    env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's packages, not the editable install's
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=env)
-    assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+def test_bad_input_is_one_line():
+    """bench_decode.py and exp_latency.py, every case in one batch (tests/cli.py run_scripts)."""
+    assert_one_line_errors([("bench_decode.py", ["--cached", "0"], "must be positive"),
+                            ("bench_decode.py", ["--policy", "sinkcache", "--no-hf"], "unknown policy"),
+                            ("exp_latency.py", ["--policies", "nope"], "unknown policy name"),
+                            ("exp_latency.py", ["--positions", "5000", "1000"], "increasing")])
 
 
 def test_event_bump_label_says_why_there_is_none():
