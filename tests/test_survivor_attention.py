@@ -13,7 +13,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from pallas_kernels import survivor_attention, survivor_attention_reference
-from pallas_kernels.survivor_attention import _angle_input, _survivor_attention_parts, survivor_attention_xla
+from pallas_kernels.survivor_attention import (_angle_input, _survivor_attention_parts, rotation_table,
+                                               survivor_attention_xla)
 from rsqr_jax.testing.kernel import (KERNEL_ARGS, args_of, kernel_inputs, oracle_f64, rel_err, rope_inv_freq,
                                      rope_f64)
 
@@ -88,8 +89,10 @@ def test_every_output_element_written():
 
     inp, inv = kernel_inputs(7, B=1, C=3, Hq=9, Hkv=3, D=64, W=21, S=5, dtype=jnp.float32, empty_window=4)
     freq, exact = _angle_input(inv, None)
-    o, m, l = _survivor_attention_parts(*args_of(inp), freq, scale=64**-0.5, interpret=True, block_k=16,
-                                        block_q=16, num_splits=4, exact=exact, num_warps=None, num_stages=2)
+    table = rotation_table(inv, 21 + 5, exact)
+    o, m, l = _survivor_attention_parts(*args_of(inp), freq, table, scale=64**-0.5, interpret=True, block_k=16,
+                                        block_s=16, block_q=16, num_splits=4, exact=exact, num_warps=4,
+                                        num_stages=2)
     assert o.shape[2] == 4  # 4 splits, of which some see no key block at all
     for x in (o, m, l):
         assert np.isfinite(np.asarray(x)).all()
@@ -165,4 +168,4 @@ def test_oracle_by_hand_gqa_and_masks():
         scores = [np.dot(k, qw if i < 7 else qs) / 4.0 for i, k in enumerate(keys)]
         w = np.array([np.exp(s) if v else 0.0 for s, v in zip(scores, vis)])
         np.testing.assert_allclose(got[0, 0, h], w @ np.array(vals, np.float64) / w.sum(), rtol=1e-10)
-    assert (a["win_pos"] == -1).sum() == 2 and a["surv_pos"][0, 0] == 4
+    assert (a["win_pos"] == -1).sum() == 2 and list(a["surv_pos"][0]) == [0, 1, 2, 3, 4]
