@@ -185,9 +185,17 @@ def _key_block(n: int, block_k: int) -> tuple[int, int]:
     return block_k, _round_up(n, block_k)
 
 
-def default_num_warps(D: int) -> int:
-    """4 warps at head_dim 64; 8 at 128 (a [R, 128] float32 accumulator plus 128-wide tiles spill at 4)."""
-    return 8 if D >= 128 else 4
+def default_num_warps(D: int, rows: int, kv_dtype) -> int:
+    """4 warps for a decode tile at head_dim 64; 8 at head_dim 128 or a float32 chunk row block
+    (rows * D * itemsize >= 8 KiB): its query and accumulator tiles spill at 4 (compile report, docs/kernel.md)."""
+    return 8 if D >= 128 or rows * D * jnp.dtype(kv_dtype).itemsize >= 8192 else 4
+
+
+def default_blocks(kv_dtype) -> tuple[int, int]:
+    """(block_k, block_s): the same tile bytes for every K/V dtype (float32 tiles hold half the keys); the
+    survivor tile is half the window's (it also holds the cos/sin rows and both rotated halves)."""
+    block_k = 128 if jnp.dtype(kv_dtype).itemsize <= 2 else 64
+    return block_k, block_k // 2
 
 
 def sm_count() -> int:
@@ -366,6 +374,7 @@ def _survivor_attention_parts(
     n_blocks_w, n_blocks_s = Wp // block_w, Sp // block_s
     n_blocks = n_blocks_w + n_blocks_s
     n_row_blocks = Rp // R
+    num_warps = default_num_warps(D, R, kv_dtype) if num_warps is None else num_warps
     if num_splits is None:
         num_splits = default_num_splits(B * Hkv * n_row_blocks, n_blocks, num_warps)
     per_split = -(-n_blocks // num_splits)
@@ -430,15 +439,17 @@ def _angle_input(inv_freq, exact_angles):
 
 def survivor_attention(
     q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
-    *, scale=None, interpret=None, block_k=128, block_s=None, block_q=64, num_splits=None, exact_angles=None,
+    *, scale=None, interpret=None, block_k=None, block_s=None, block_q=32, num_splits=None, exact_angles=None,
     num_warps=None, num_stages=2, skip_empty_blocks=True, rank_limit=None,
 ):
     """Fused two-segment attention (the contract in the module docstring) as a Pallas kernel.
 
-    block_k: window key tile; block_s: survivor key tile (None: min(block_k, 64)); both powers of two
-      >= 16, smaller when a segment is shorter or a smaller power of two divides it. block_q: most query
-      rows (G * C, padded) per program. num_splits: key-axis splits (flash-decoding); None fills the
-      GPU's SMs (default_num_splits). num_warps: None = 4, or 8 at head_dim >= 128.
+    block_k: window key tile; block_s: survivor key tile (None: default_blocks: 128 / 64 keys for 2-byte
+      K/V, 64 / 32 for float32; block_s alone None: min(block_k, the default)); powers of two >= 16,
+      smaller when a segment is shorter or a smaller power of two divides it. block_q: most query rows
+      (G * C, padded) per program. num_splits: key-axis splits (flash-decoding); None fills the GPU's
+      SMs (default_num_splits). num_warps: None = default_num_warps (4; 8 at head_dim 128 or a
+      float32 chunk).
       exact_angles: None = exact when inv_freq is concrete (a model constant): query angles by exact
       integer reduction, survivor rotations from a float64-built table; False (or a traced inv_freq):
       float32 pos * inv_freq for both (absolute error ~pos * 2^-23 rad). rank_limit: survivor positions
@@ -454,11 +465,13 @@ def survivor_attention(
     B, C, Hq, _ = q.shape
     Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k_raw.shape[2]
     table = rotation_table(inv_freq, _table_len(W, S, rank_limit), exact)
+    default_k, default_s = default_blocks(win_k.dtype)
+    block_k = default_k if block_k is None else block_k
+    block_s = min(block_k, default_s) if block_s is None else block_s
     o, m, l = _survivor_attention_parts(
         q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
-        scale=scale, interpret=bool(interpret), block_k=block_k, block_s=min(block_k, 64) if block_s is None
-        else block_s, block_q=block_q, num_splits=num_splits, exact=exact,
-        num_warps=default_num_warps(D) if num_warps is None else num_warps, num_stages=num_stages,
+        scale=scale, interpret=bool(interpret), block_k=block_k, block_s=block_s, block_q=block_q,
+        num_splits=num_splits, exact=exact, num_warps=num_warps, num_stages=num_stages,
         masked=bool(skip_empty_blocks),
     )
     G = Hq // Hkv
