@@ -30,7 +30,8 @@ def build_parser() -> Parser:
     p.add_argument("--budget", type=float, default=None, help="seconds of timed rounds per (N, batch)")
     p.add_argument("--max-n-batch16", type=int, default=32768, help="largest N run at batch 16")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
-    p.add_argument("--before", default=None, help="an earlier JSON of this script: print the target ratios before -> after")
+    p.add_argument("--before", default=None,
+                   help="an earlier JSON of this script: print the target ratios before -> after")
     return p
 
 
