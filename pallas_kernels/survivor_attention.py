@@ -511,7 +511,7 @@ def _survivor_scores(qs_BxCxKxGxD, surv_k_raw, surv_pos, table, block_bytes, who
     if S * key_bytes <= max(whole_bytes, block_bytes):
         block = S
     else:
-        block = min(S, max(64, 1 << max(1, int(block_bytes // key_bytes)).bit_length() - 1))
+        block = min(S, max(16, 1 << max(1, int(block_bytes // key_bytes)).bit_length() - 1))
 
     def scores(start, n):
         k = lax.dynamic_slice_in_dim(surv_k_raw, start, n, axis=2).astype(f32)  # [B, Hkv, n, D]
