@@ -1,6 +1,6 @@
 """Fused attention kernels for RSQR and their pure-jnp references (lowest layer: imports nothing of ours)."""
 
-from pallas_kernels.rope import rope_angles, rope_cos_sin, rotate_half_split, turn_words
+from pallas_kernels.rope import rope_angles, rope_cos_sin, rope_table, rotate_half_split, turn_words
 from pallas_kernels.survivor_attention import (
     MASK_VALUE,
     survivor_attention,
@@ -11,6 +11,7 @@ from pallas_kernels.survivor_attention import (
 __all__ = [
     "rope_angles",
     "rope_cos_sin",
+    "rope_table",
     "rotate_half_split",
     "turn_words",
     "MASK_VALUE",

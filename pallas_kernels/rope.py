@@ -111,3 +111,24 @@ def rotate_half_split(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array
     x = x.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def rope_table(inv_freq, n: int) -> np.ndarray:
+    """float32 [n, D] table of RoPE rotations at positions 0..n-1: cos in [:, :D/2], sin in [:, D/2:].
+
+    Angles p * inv_freq are formed and reduced in float64 on the host (error ~1e-16 rad at the positions
+    a cache holds, far below float32 rounding), then rounded once to float32. Built for the rotations
+    whose positions are bounded by a static capacity (survivor ranks): a gather from it replaces the
+    per-key integer reduction and sin/cos. Cached per (inv_freq, n); the result is read-only.
+    """
+    freqs = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
+    return _rope_table_cached(freqs.tobytes(), int(n))
+
+
+@functools.lru_cache(maxsize=32)
+def _rope_table_cached(freq_bytes: bytes, n: int) -> np.ndarray:
+    freqs = np.frombuffer(freq_bytes, dtype=np.float32).astype(np.float64)
+    ang = np.arange(n, dtype=np.float64)[:, None] * freqs[None, :]
+    table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    table.setflags(write=False)
+    return table

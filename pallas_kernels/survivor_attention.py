@@ -11,6 +11,8 @@
   segment too (that is how leave_gaps / rerotate / rsqr_precompute reuse it).
 * q_pos_win / q_pos_surv [B, C] int32: where the query is rotated for each segment (relocation).
 * inv_freq [D/2] float32. Angles are reduced exactly (pallas_kernels.rope) when it is concrete.
+* Survivor positions are ranks, bounded by the capacity: they must lie in [0, rank_limit), default
+  W + S; the survivor keys are rotated from a cos/sin table over that range (see rotation_table).
 * Returns [B, C, Hq, D] in q's dtype; scale defaults to D ** -0.5. A row with no visible key
   (both segments empty) returns zeros, never NaN.
 
@@ -29,14 +31,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.rope import (
-    _is_concrete,
-    _mulhi_u32,
-    angles_from_words,
-    rope_cos_sin,
-    rotate_half_split,
-    turn_words,
-)
+from pallas_kernels.rope import _is_concrete, angles_from_words, rope_cos_sin, rope_table, rotate_half_split, turn_words
 
 # Finite mask value (as in jax.experimental.pallas.ops): -inf would turn fully masked rows into NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -81,6 +76,44 @@ def survivor_attention_reference(
 
 
 # ----------------------------------------------------------------------------------------------------
+# Survivor rotations from a table (shared by the kernel and the XLA path).
+#
+# Every position the survivor segment rotates a key at is a rank on the compressed timeline, so it is
+# bounded by the static capacity of the segments (W + S; update.plan_step gives ranks < S). A float32
+# cos/sin table over [0, W + S), built once per trace on the host with float64 angles
+# (rope.rope_table), replaces the per-key exact integer reduction and sin/cos: one gathered row per key,
+# shared by every KV head, query head and split. Query positions stay unbounded (leave_gaps rotates the
+# survivor-segment query at its global position) and are rotated in the wrappers with the exact
+# reduction, once per call. A position outside the table is a contract violation and gives NaN scores
+# (loud, never a silently wrong rotation); masked (invalid) slots are unaffected.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _table_len(W: int, S: int, rank_limit: int | None) -> int:
+    return max(1, W + S if rank_limit is None else int(rank_limit))
+
+
+def rotation_table(inv_freq, n: int, exact: bool):
+    """[n, D] float32 (cos | sin) rows for positions 0..n-1.
+
+    exact (inv_freq concrete): a host constant with float64 angles, built once per trace - under jit it
+    is a compile-time constant of the step, so no device work per call and no cache field. Otherwise
+    (traced inv_freq) float32 pos * inv_freq computed in the graph, as accurate as the query fallback."""
+    if exact:
+        return rope_table(np.asarray(inv_freq, np.float32), n)
+    ang = jnp.arange(n, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32).reshape(1, -1)
+    return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=1)
+
+
+def _table_rows(table, pos):
+    """(cos, sin) [..., D/2] for int32 positions [...]; NaN outside [0, len(table))."""
+    n, D = table.shape
+    inside = (pos >= 0) & (pos < n)
+    rows = jnp.where(inside[..., None], jnp.asarray(table)[jnp.where(inside, pos, 0)], jnp.nan)
+    return rows[..., : D // 2], rows[..., D // 2:]
+
+
+# ----------------------------------------------------------------------------------------------------
 # The Pallas kernel.
 #
 # Structure (flash-decoding, one program per (batch, kv head, query-row block, key split)):
@@ -88,17 +121,21 @@ def survivor_attention_reference(
 #     for the window and at q_pos_surv for the survivors - with exact angles, regroups them so that
 #     the G query heads of one KV head and all C chunk positions form one row block (row = c*G + g),
 #     and pads that block to a power of two >= 16 rows.
-#   * Each program walks its share of the window blocks, then its share of the survivor blocks, with
-#     one online softmax (m, l, o) over both segments. Survivor keys are rotated from raw inside the
-#     kernel, per key tile, at surv_pos: angles by exact integer turn reduction (rope.angles_from_words
-#     on two uint32 word rows passed in as a [2, D/2] input) and the score as two half-width dots
-#     s = q1 . k1' + q2 . k2'  with  k1' = k1 cos - k2 sin,  k2' = k2 cos + k1 sin,
+#   * The key axis is one list of blocks: the window blocks (block_w keys each), then the survivor
+#     blocks (block_s keys: a size of their own, smaller by default because a survivor tile also holds
+#     its cos/sin rows and the rotated halves in registers). Split j takes a contiguous share of that
+#     list, so window and survivor blocks are spread over all splits alike. One online softmax
+#     (m, l, o) runs over whatever part of both segments a program holds.
+#   * Survivor keys are rotated from raw inside the kernel, per key tile: cos/sin rows gathered from
+#     the rotation table at surv_pos (no integer reduction, no transcendental per key) and the score as
+#     two half-width dots  s = q1 . k1' + q2 . k2'  with  k1' = k1 cos - k2 sin,  k2' = k2 cos + k1 sin,
 #     the halves read with separate ref slices (no value slicing or concatenation in the kernel).
-#   * A key block none of whose keys is visible to any row of the program is skipped by lax.cond
-#     (its K/V are not even loaded): empty window capacity, invalid survivor slots, and window blocks in
-#     the causal future of a chunk cost only their positions (skip_empty_blocks=True, the default;
-#     False keeps the loop body branch-free for Triton's software pipelining - to be measured on GPU).
-#   * Each split writes unnormalised (o, m, l); the wrapper merges the splits by log-sum-exp.
+#   * The loops are branch-free (no lax.cond, so every load sits in the loop body where Triton can
+#     software-pipeline it, num_stages): keys nobody in the program can see (empty window slots, invalid
+#     survivors, the causal future of a chunk) are fetched with masked loads, so they cost no memory
+#     traffic, only their positions (mask_empty_keys=True, the default; False loads every key).
+#   * Each split writes unnormalised (o, m, l); the wrapper merges the splits by log-sum-exp. The split
+#     count follows the GPU: enough programs to fill every SM at the occupancy the warp count allows.
 #
 # Lowering constraints that shaped it (Pallas Triton backend):
 #   * every loaded/stored array must have a power-of-two size -> row blocks padded to a power of two,
@@ -108,19 +145,19 @@ def survivor_attention_reference(
 #     loads (pl.ds on the last axis) and two dots;
 #   * -inf arithmetic makes fully masked rows NaN -> finite MASK_VALUE plus explicit zeroing of masked
 #     probabilities (a fully masked row keeps l = 0 and o = 0);
-#   * only the kernel body is traced for the device, so it uses ref indexing, pl.ds, jnp,
-#     lax.fori_loop (dynamic bounds), lax.cond and jnp.where only - nothing backend-specific. The
+#   * only the kernel body is traced for the device, so it uses ref indexing (a gather for the table
+#     rows), pl.ds, masked loads, jnp, lax.fori_loop (dynamic bounds) and jnp.where only. The
 #     backend-specific knobs live in `_compiler_params` alone.
 #   * segments enter as whole-array blocks and the kernel indexes tiles itself, so W and S need only be
-#     multiples of the key block (they are padded in the wrapper otherwise, which costs a copy of that
-#     segment: capacities above block_k that are multiples of block_k / 4 - 32 by default - are used
-#     in place, see _key_block).
+#     multiples of their key block (they are padded in the wrapper otherwise, which costs a copy of that
+#     segment: capacities above the block that are multiples of a quarter of it are used in place).
 # Dots run in the KV storage dtype (bfloat16 K/V -> bfloat16 operands, rotated survivor keys rounded
 # to bfloat16 once after their float32 rotation, float32 accumulation; float32 K/V -> float32 operands
 # at HIGHEST precision, IEEE on Triton).
 # ----------------------------------------------------------------------------------------------------
 
 _MIN_BLOCK = 16  # Triton: dot operands need every dimension >= 16
+H200_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, cross-lowering on CPU)
 
 
 def _next_pow2(n: int) -> int:
@@ -148,30 +185,66 @@ def _key_block(n: int, block_k: int) -> tuple[int, int]:
     return block_k, _round_up(n, block_k)
 
 
-def _default_num_splits(programs: int, n_blocks: int) -> int:
-    """Enough splits to give a GPU ~256 programs, never more splits than key blocks."""
-    want = _next_pow2(max(1, -(-256 // max(programs, 1))))
-    return max(1, min(want, 64, n_blocks))
+def default_num_warps(D: int, rows: int, kv_dtype) -> int:
+    """4 warps for a decode tile at head_dim 64; 8 at head_dim 128 or a float32 chunk row block
+    (rows * D * itemsize >= 8 KiB): its query and accumulator tiles spill at 4 (compile report, docs/kernel.md)."""
+    return 8 if D >= 128 or rows * D * jnp.dtype(kv_dtype).itemsize >= 8192 else 4
 
 
-def _compiler_params(interpret: bool, num_warps: int | None, num_stages: int | None):
+def default_blocks(kv_dtype) -> tuple[int, int]:
+    """(block_k, block_s): the same tile bytes for every K/V dtype (float32 tiles hold half the keys); the
+    survivor tile is half the window's (it also holds the cos/sin rows and both rotated halves)."""
+    block_k = 128 if jnp.dtype(kv_dtype).itemsize <= 2 else 64
+    return block_k, block_k // 2
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the first GPU; H200_SMS when no GPU is visible."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return H200_SMS
+    return int(getattr(dev, "core_count", 0) or H200_SMS) if dev.platform == "gpu" else H200_SMS
+
+
+def default_num_splits(programs: int, n_blocks: int, num_warps: int, sms: int | None = None) -> int:
+    """Key splits that fill the GPU: SMs x resident programs per SM, over the programs of the grid.
+
+    Resident programs per SM ~ 16 / num_warps (a 64K-register file at <= 128 registers per thread);
+    every split keeps >= 2 key blocks so the per-split (o, m, l) traffic stays below the K/V it saves."""
+    sms = sm_count() if sms is None else sms
+    want = -(-sms * max(1, 16 // num_warps) // max(programs, 1))
+    return max(1, min(want, -(-n_blocks // 2)))
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int | None):
     """All backend-specific knobs live here (Pallas Triton on GPU; nothing when interpreting)."""
     if interpret:
         return None
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=4 if num_warps is None else num_warps, num_stages=num_stages)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _load(ref, mask, masked: bool):
+    """ref[...] with the rows where mask is False not fetched (zeros), or a plain load."""
+    if not masked:
+        return ref[...]
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.load(ref, mask=mask[:, None], other=0)
 
 
 def _survivor_attention_kernel(
     qw_ref, qs_ref, qpos_ref,  # [R, D], [R, D] rotated queries (compute dtype), [R] int32 window pos
     wk_ref, wv_ref, wpos_ref,  # [Wp, D], [Wp, D], [Wp] int32
     sk_ref, sv_ref, spos_ref, svalid_ref,  # [Sp, D] raw, [Sp, D], [Sp] int32, [Sp] int32 (0/1)
-    freq_ref,  # [2, D/2] uint32 turn words (exact) or [1, D/2] float32 inv_freq
+    table_ref,  # [T, D] float32 rotation table: cos | sin
     o_ref, m_ref, l_ref,  # [R, D] float32 (unnormalised), [R], [R] float32
-    *, scale, block_w, block_s, n_blocks_w, n_blocks_s, per_split_w, per_split_s, exact, precision, skip_empty,
+    *, scale, block_w, block_s, n_blocks_w, n_blocks_s, per_split, precision, masked,
 ):
     R, D = qw_ref.shape
+    T = table_ref.shape[0]
     F = D // 2
     split = pl.program_id(3)
     f32 = jnp.float32
@@ -198,16 +271,10 @@ def _survivor_attention_kernel(
         start = i * block_w
         wpos = wpos_ref[pl.ds(start, block_w)]  # [bw]
         live = (wpos >= 0) & (wpos <= qpos_max)
-
-        def compute(carry):
-            k = wk_ref[pl.ds(start, block_w), :]
-            v = wv_ref[pl.ds(start, block_w), :]
-            mask = (wpos[None, :] >= 0) & (wpos[None, :] <= qpos[:, None])
-            return update(carry, dot_nt(qw, k) * scale, mask, v)
-
-        if not skip_empty:
-            return compute(carry)
-        return lax.cond(jnp.max(live.astype(jnp.int32)) > 0, compute, lambda c: c, carry)
+        k = _load(wk_ref.at[pl.ds(start, block_w), :], live, masked)
+        v = _load(wv_ref.at[pl.ds(start, block_w), :], live, masked)
+        mask = (wpos[None, :] >= 0) & (wpos[None, :] <= qpos[:, None])
+        return update(carry, dot_nt(qw, k) * scale, mask, v)
 
     q1 = qs_ref[:, pl.ds(0, F)]
     q2 = qs_ref[:, pl.ds(F, F)]
@@ -216,32 +283,27 @@ def _survivor_attention_kernel(
     def survivor_block(i, carry):
         start = i * block_s
         valid = svalid_ref[pl.ds(start, block_s)] != 0  # [bs]
+        pos = spos_ref[pl.ds(start, block_s)]
+        inside = (pos >= 0) & (pos < T)
+        row = jnp.where(inside, pos, 0)
+        nan_out = jnp.where(inside, 0.0, jnp.nan).astype(f32)[:, None]  # out-of-table positions -> NaN
+        cos = table_ref[row, pl.ds(0, F)] + nan_out  # [bs, F] gathered rows
+        sin = table_ref[row, pl.ds(F, F)] + nan_out
+        k1 = _load(sk_ref.at[pl.ds(start, block_s), pl.ds(0, F)], valid, masked).astype(f32)
+        k2 = _load(sk_ref.at[pl.ds(start, block_s), pl.ds(F, F)], valid, masked).astype(f32)
+        k1r = (k1 * cos - k2 * sin).astype(dot_dtype)
+        k2r = (k2 * cos + k1 * sin).astype(dot_dtype)
+        s = (dot_nt(q1, k1r) + dot_nt(q2, k2r)) * scale
+        v = _load(sv_ref.at[pl.ds(start, block_s), :], valid, masked)
+        mask = jnp.broadcast_to(valid[None, :], s.shape)
+        return update(carry, s, mask, v)
 
-        def compute(carry):
-            pos = spos_ref[pl.ds(start, block_s)]
-            if exact:
-                ang = angles_from_words(pos, freq_ref[0, :], freq_ref[1, :])  # [bs, F]
-            else:
-                ang = pos.astype(f32)[:, None] * freq_ref[0, :][None, :]
-            cos, sin = jnp.cos(ang), jnp.sin(ang)
-            k1 = sk_ref[pl.ds(start, block_s), pl.ds(0, F)].astype(f32)
-            k2 = sk_ref[pl.ds(start, block_s), pl.ds(F, F)].astype(f32)
-            k1r = (k1 * cos - k2 * sin).astype(dot_dtype)
-            k2r = (k2 * cos + k1 * sin).astype(dot_dtype)
-            s = (dot_nt(q1, k1r) + dot_nt(q2, k2r)) * scale
-            v = sv_ref[pl.ds(start, block_s), :]
-            mask = jnp.broadcast_to(valid[None, :], s.shape)
-            return update(carry, s, mask, v)
-
-        if not skip_empty:
-            return compute(carry)
-        return lax.cond(jnp.max(valid.astype(jnp.int32)) > 0, compute, lambda c: c, carry)
-
+    # This split's share [lo, hi) of the block list (window blocks, then survivor blocks).
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, n_blocks_w + n_blocks_s)
     carry = (jnp.zeros((R, D), f32), jnp.full((R,), MASK_VALUE, f32), jnp.zeros((R,), f32))
-    lo_w = split * per_split_w
-    carry = lax.fori_loop(lo_w, jnp.minimum(lo_w + per_split_w, n_blocks_w), window_block, carry)
-    lo_s = split * per_split_s
-    carry = lax.fori_loop(lo_s, jnp.minimum(lo_s + per_split_s, n_blocks_s), survivor_block, carry)
+    carry = lax.fori_loop(jnp.minimum(lo, n_blocks_w), jnp.minimum(hi, n_blocks_w), window_block, carry)
+    carry = lax.fori_loop(jnp.maximum(lo - n_blocks_w, 0), jnp.maximum(hi - n_blocks_w, 0), survivor_block, carry)
     o, m, l = carry
     o_ref[...] = o
     m_ref[...] = m
@@ -256,22 +318,25 @@ def _query_angles(pos, freq, exact):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "interpret", "block_k", "block_q", "num_splits", "exact", "num_warps",
-                     "num_stages", "skip_empty"),
+    static_argnames=("scale", "interpret", "block_k", "block_s", "block_q", "num_splits", "exact", "num_warps",
+                     "num_stages", "masked"),
 )
 def _survivor_attention_parts(
-    q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq,
-    *, scale, interpret, block_k, block_q, num_splits, exact, num_warps, num_stages, skip_empty=True,
+    q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
+    *, scale, interpret, block_k, block_s, block_q, num_splits, exact, num_warps, num_stages, masked=True,
 ):
-    """Runs the kernel; returns the per-split (o, m, l) and the row bookkeeping needed to merge them."""
+    """Runs the kernel; returns the per-split (o, m, l) [B, Hkv, J, Rp, (D)] to merge.
+
+    freq: the query angles' input (turn words, or inv_freq when not exact); table: [T, D] rotations."""
     B, C, Hq, D = q.shape
     Hkv, W = win_k.shape[1], win_k.shape[2]
     S = surv_k_raw.shape[2]
     G = Hq // Hkv
     if Hq % Hkv or D % 2 or D & (D - 1) or D < 2 * _MIN_BLOCK:
         raise ValueError(f"need Hq % Hkv == 0 and D a power of two >= 32, got {q.shape=} {win_k.shape=}")
-    if block_k & (block_k - 1) or block_k < _MIN_BLOCK or block_q & (block_q - 1) or block_q < _MIN_BLOCK:
-        raise ValueError(f"block_k and block_q must be powers of two >= 16, got {block_k=} {block_q=}")
+    for name, blk in (("block_k", block_k), ("block_s", block_s), ("block_q", block_q)):
+        if blk & (blk - 1) or blk < _MIN_BLOCK:
+            raise ValueError(f"{name} must be a power of two >= 16, got {blk}")
     kv_dtype = win_k.dtype
     f32 = jnp.float32
 
@@ -293,7 +358,7 @@ def _survivor_attention_parts(
 
     # Keys: pad each segment to a multiple of its block (no-op when the capacity is aligned).
     block_w, Wp = _key_block(W, block_k)
-    block_s, Sp = _key_block(S, block_k)
+    block_s, Sp = _key_block(S, block_s)
 
     def pad_keys(x, n, n_p):
         return x if n == n_p else jnp.pad(x, ((0, 0), (0, 0), (0, n_p - n), (0, 0)))
@@ -304,19 +369,20 @@ def _survivor_attention_parts(
     surv_v = pad_keys(surv_v.astype(kv_dtype), S, Sp)
     surv_pos = jnp.pad(surv_pos.astype(jnp.int32), ((0, 0), (0, Sp - S)))
     surv_valid = jnp.pad(surv_valid.astype(jnp.int32), ((0, 0), (0, Sp - S)))
+    table = jnp.asarray(table, f32)
 
     n_blocks_w, n_blocks_s = Wp // block_w, Sp // block_s
+    n_blocks = n_blocks_w + n_blocks_s
     n_row_blocks = Rp // R
+    num_warps = default_num_warps(D, R, kv_dtype) if num_warps is None else num_warps
     if num_splits is None:
-        num_splits = _default_num_splits(B * Hkv * n_row_blocks, max(n_blocks_w, n_blocks_s))
-    per_split_w = -(-n_blocks_w // num_splits)
-    per_split_s = -(-n_blocks_s // num_splits)
+        num_splits = default_num_splits(B * Hkv * n_row_blocks, n_blocks, num_warps)
+    per_split = -(-n_blocks // num_splits)
 
     kernel = functools.partial(
-        _survivor_attention_kernel, scale=scale, block_w=block_w, block_s=block_s,
-        n_blocks_w=n_blocks_w, n_blocks_s=n_blocks_s, per_split_w=per_split_w, per_split_s=per_split_s,
-        exact=exact, precision=lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None,
-        skip_empty=skip_empty,
+        _survivor_attention_kernel, scale=scale, block_w=block_w, block_s=block_s, n_blocks_w=n_blocks_w,
+        n_blocks_s=n_blocks_s, per_split=per_split,
+        precision=lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None, masked=masked,
     )
     rows_spec = pl.BlockSpec((None, None, R, D), lambda b, h, r, j: (b, h, r, 0))
     o, m, l = pl.pallas_call(
@@ -333,7 +399,7 @@ def _survivor_attention_parts(
             pl.BlockSpec((None, None, Sp, D), lambda b, h, r, j: (b, h, 0, 0)),
             pl.BlockSpec((None, Sp), lambda b, h, r, j: (b, 0)),
             pl.BlockSpec((None, Sp), lambda b, h, r, j: (b, 0)),
-            pl.BlockSpec(freq.shape, lambda b, h, r, j: (0, 0)),
+            pl.BlockSpec(table.shape, lambda b, h, r, j: (0, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, R, D), lambda b, h, r, j: (b, h, j, r, 0)),
@@ -348,7 +414,7 @@ def _survivor_attention_parts(
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret,
         name="survivor_attention",
-    )(qw, qs, qpos, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, freq)
+    )(qw, qs, qpos, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, table)
     return o, m, l
 
 
@@ -362,6 +428,7 @@ def _merge_splits(o, m, l):
 
 
 def _angle_input(inv_freq, exact_angles):
+    """(query-angle input, exact): the turn words of a concrete inv_freq, else inv_freq as [1, D/2]."""
     exact = _is_concrete(inv_freq) if exact_angles is None else bool(exact_angles)
     if exact:
         if not _is_concrete(inv_freq):
@@ -372,20 +439,23 @@ def _angle_input(inv_freq, exact_angles):
 
 def survivor_attention(
     q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
-    *, scale=None, interpret=None, block_k=128, block_q=64, num_splits=None, exact_angles=None,
-    num_warps=None, num_stages=2, skip_empty_blocks=True,
+    *, scale=None, interpret=None, block_k=None, block_s=None, block_q=32, num_splits=None, exact_angles=None,
+    num_warps=None, num_stages=2, skip_empty_blocks=True, rank_limit=None,
 ):
     """Fused two-segment attention (the contract in the module docstring) as a Pallas kernel.
 
-    block_k: key tile (power of two >= 16; smaller when a segment is shorter or a smaller power of
-      two divides it). block_q: most query rows (G * C, padded) per program. num_splits: key-axis
-      splits (flash-decoding); None picks enough for ~256 programs. exact_angles: None = exact
-      integer angle reduction when inv_freq is concrete (a model constant), else float32
-      pos * inv_freq (absolute angle error <= ~pos * 2^-23 rad: ~1e-4 rad at logical positions of
-      ~1e3, which is where survivors live; global window positions only touch the query, rotated in
-      the wrapper). interpret: None = interpret on CPU, compile (Pallas Triton) on GPU.
-      skip_empty_blocks: skip (lax.cond) key blocks nobody can see; False keeps the loop body
-      branch-free, which lets Triton software-pipeline the K/V loads (num_stages) - a GPU tuning knob.
+    block_k: window key tile; block_s: survivor key tile (None: default_blocks: 128 / 64 keys for 2-byte
+      K/V, 64 / 32 for float32; block_s alone None: min(block_k, the default)); powers of two >= 16,
+      smaller when a segment is shorter or a smaller power of two divides it. block_q: most query rows
+      (G * C, padded) per program. num_splits: key-axis splits (flash-decoding); None fills the GPU's
+      SMs (default_num_splits). num_warps: None = default_num_warps (4; 8 at head_dim 128 or a
+      float32 chunk).
+      exact_angles: None = exact when inv_freq is concrete (a model constant): query angles by exact
+      integer reduction, survivor rotations from a float64-built table; False (or a traced inv_freq):
+      float32 pos * inv_freq for both (absolute error ~pos * 2^-23 rad). rank_limit: survivor positions
+      must lie in [0, rank_limit) (default W + S, the capacity; outside gives NaN scores).
+      skip_empty_blocks: keys nobody can see are not fetched (masked loads; the loop stays branch-free
+      either way); False loads every key. interpret: None = interpret on CPU, compile on GPU.
     """
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
@@ -393,11 +463,16 @@ def survivor_attention(
     scale = float(D**-0.5 if scale is None else scale)
     freq, exact = _angle_input(inv_freq, exact_angles)
     B, C, Hq, _ = q.shape
-    Hkv = win_k.shape[1]
+    Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k_raw.shape[2]
+    table = rotation_table(inv_freq, _table_len(W, S, rank_limit), exact)
+    default_k, default_s = default_blocks(win_k.dtype)
+    block_k = default_k if block_k is None else block_k
+    block_s = min(block_k, default_s) if block_s is None else block_s
     o, m, l = _survivor_attention_parts(
-        q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq,
-        scale=scale, interpret=bool(interpret), block_k=block_k, block_q=block_q, num_splits=num_splits,
-        exact=exact, num_warps=num_warps, num_stages=num_stages, skip_empty=bool(skip_empty_blocks),
+        q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
+        scale=scale, interpret=bool(interpret), block_k=block_k, block_s=block_s, block_q=block_q,
+        num_splits=num_splits, exact=exact, num_warps=num_warps, num_stages=num_stages,
+        masked=bool(skip_empty_blocks),
     )
     G = Hq // Hkv
     out = _merge_splits(o, m, l)[:, :, : C * G]  # [B, Hkv, C*G, D]
@@ -408,55 +483,66 @@ def survivor_attention(
 # ----------------------------------------------------------------------------------------------------
 # A leaner XLA formulation (no Pallas) for CPU and for comparison.
 #
-# Same contract and math as the reference. What made the reference slow on CPU was not the attention
-# but jnp.cos / jnp.sin of the survivor angles: XLA:CPU evaluates them at ~3 ns per element (a full
-# range reduction per element), which for B * S * D/2 angles per step costs more than the attention
-# over the same keys. Here the angle is already an exact 32-bit fraction of a turn (rope.py), so the
-# quadrant is read off its top two bits and only a short polynomial on [-pi/4, pi/4] remains:
-# elementwise integer / float ops that XLA fuses and vectorises with the rotation. Segments are kept
-# separate (two partial softmaxes merged by log-sum-exp) instead of concatenating the scores.
+# Same contract and math as the reference. On XLA:CPU two things made the survivor segment expensive:
+# jnp.cos / jnp.sin per survivor angle (~3 ns per element: a full range reduction each), and the
+# rotated keys themselves - XLA does not fuse an elementwise producer into a dot, so the rotated
+# [B, Hkv, S, D] keys were written out and read back, a fresh multi-MB temporary (page faults, DRAM
+# traffic) every call. Here the angles come from the rotation table (one gathered row per key, shared
+# by the KV heads), and the survivor scores are formed block by block in a fori_loop: each block of
+# keys is rotated into a buffer small enough to stay in cache (`block_bytes`) and dotted at once.
+# Segments are kept separate (two partial softmaxes merged by log-sum-exp) instead of concatenated.
 # ----------------------------------------------------------------------------------------------------
 
-# Cephes sinf / cosf minimax coefficients on [-pi/4, pi/4] (about 1 ulp in float32).
-_S1, _S2, _S3 = -1.6666654611e-1, 8.3321608736e-3, -1.9515295891e-4
-_C1, _C2, _C3 = 4.166664568298827e-2, -1.388731625493765e-3, 2.443315711809948e-5
+
+# Rotated survivor keys up to this size are formed in one piece (they stay in the last-level cache and
+# glibc reuses the buffer); larger ones in blocks of `block_bytes`. Measured on the 2-core EPYC (32 MiB L3):
+# B = 1, S = 16k (12 MiB) is fastest in one piece; B = 16, S = 8k (96 MiB) 1.3-1.4x faster in 1-4 MiB blocks.
+WHOLE_SEGMENT_BYTES = 16 << 20
 
 
-def _turn_u32(pos, words_hi, words_lo):
-    """frac(pos * inv_freq / 2pi) as a uint32 fraction of a turn, exactly (see rope.angles_from_words)."""
-    p = pos.astype(jnp.uint32)[..., None]
-    return p * words_hi + _mulhi_u32(p, words_lo)
+def _survivor_scores(qs_BxCxKxGxD, surv_k_raw, surv_pos, table, block_bytes, whole_bytes):
+    """[B, Hkv, G, C, S] scores of the (scaled, rotated) queries against survivors rotated at surv_pos."""
+    B, C, Hkv, G, D = qs_BxCxKxGxD.shape
+    S = surv_k_raw.shape[2]
+    hp = jax.lax.Precision.HIGHEST
+    f32 = jnp.float32
+    F = D // 2
+    key_bytes = B * Hkv * D * 4
+    if S * key_bytes <= max(whole_bytes, block_bytes):
+        block = S
+    else:
+        block = min(S, max(16, 1 << max(1, int(block_bytes // key_bytes)).bit_length() - 1))
 
+    def scores(start, n):
+        k = lax.dynamic_slice_in_dim(surv_k_raw, start, n, axis=2).astype(f32)  # [B, Hkv, n, D]
+        cos, sin = _table_rows(table, lax.dynamic_slice_in_dim(surv_pos, start, n, axis=1))  # [B, n, F]
+        cos, sin = cos[:, None], sin[:, None]
+        k1, k2 = k[..., :F], k[..., F:]
+        k_rot = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)
+        return jnp.einsum("bckgd,bknd->bkgcn", qs_BxCxKxGxD, k_rot, precision=hp)
 
-def cos_sin_from_turns(turn_u32):
-    """(cos, sin) float32 of 2 pi * turn_u32 / 2^32, with the quadrant taken exactly from the integer."""
-    quad = ((turn_u32 + jnp.uint32(1 << 29)) >> 30) & jnp.uint32(3)
-    r = jax.lax.bitcast_convert_type(turn_u32 - (quad << 30), jnp.int32)  # in [-2^29, 2^29]
-    x = r.astype(jnp.float32) * jnp.float32(2 * np.pi / 2**32)  # in [-pi/4, pi/4]
-    z = x * x
-    s = x + x * z * (_S1 + z * (_S2 + z * _S3))
-    c = 1.0 - 0.5 * z + z * z * (_C1 + z * (_C2 + z * _C3))
-    q = quad.astype(jnp.int32)
-    cos = jnp.where(q == 0, c, jnp.where(q == 1, -s, jnp.where(q == 2, -c, s)))
-    sin = jnp.where(q == 0, s, jnp.where(q == 1, c, jnp.where(q == 2, -s, -c)))
-    return cos, sin
-
-
-def _fast_cos_sin(pos, inv_freq):
-    if _is_concrete(inv_freq):
-        words = turn_words(np.asarray(inv_freq, np.float32))
-        return cos_sin_from_turns(_turn_u32(jnp.asarray(pos, jnp.int32), jnp.asarray(words[0]),
-                                            jnp.asarray(words[1])))
-    return rope_cos_sin(pos, inv_freq)
+    n_full = S // block
+    if n_full <= 1 and S % block == 0:
+        return scores(0, S)
+    out = jnp.zeros((B, Hkv, G, C, S), f32)
+    out = lax.fori_loop(0, n_full, lambda i, o: lax.dynamic_update_slice_in_dim(
+        o, scores(i * block, block), i * block, axis=4), out)
+    if S % block:
+        out = lax.dynamic_update_slice_in_dim(out, scores(n_full * block, S % block), n_full * block, axis=4)
+    return out
 
 
 def survivor_attention_xla(
     q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
-    *, scale=None,
+    *, scale=None, rank_limit=None, block_bytes=4 << 20, whole_segment_bytes=WHOLE_SEGMENT_BYTES,
 ):
-    """The contract above in plain XLA, tuned for CPU (see the comment block above)."""
+    """The contract above in plain XLA, tuned for CPU (see the comment block above).
+
+    rank_limit: survivor positions lie in [0, rank_limit) (default W + S; outside gives NaN scores);
+    block_bytes: size of one block of rotated survivor keys (float32, all batch rows and KV heads) when
+    all of them would exceed whole_segment_bytes."""
     B, C, Hq, D = q.shape
-    Hkv = win_k.shape[1]
+    Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k_raw.shape[2]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
     hp = jax.lax.Precision.HIGHEST
@@ -467,15 +553,6 @@ def survivor_attention_xla(
     cos_s, sin_s = rope_cos_sin(q_pos_surv, inv_freq)
     qw = rotate_half_split(q_BxCxKxGxD, cos_w[:, :, None, None], sin_w[:, :, None, None]) * scale
     qs = rotate_half_split(q_BxCxKxGxD, cos_s[:, :, None, None], sin_s[:, :, None, None]) * scale
-    F = D // 2
-    cos_k, sin_k = _fast_cos_sin(surv_pos, inv_freq)  # [B, S, D/2]
-    cos_k, sin_k = cos_k[:, None], sin_k[:, None]
-    # survivor keys rotated from raw, as two halves (no concatenate): s = q1.k1' + q2.k2'
-    k1, k2 = surv_k_raw[..., :F].astype(f32), surv_k_raw[..., F:].astype(f32)
-    k1r, k2r = k1 * cos_k - k2 * sin_k, k2 * cos_k + k1 * sin_k  # [B, Hkv, S, D/2]
-
-    def scores(qx, k):
-        return jnp.einsum("bckgd,bknd->bkgcn", qx, k.astype(f32), precision=hp)
 
     def partial(s, v, mask):  # s [B, Hkv, G, C, N], mask [B, C, N]
         mask = mask[:, None, None]
@@ -486,12 +563,14 @@ def survivor_attention_xla(
         return o, m, jnp.sum(p, axis=-1, keepdims=True)
 
     m_win = (win_pos[:, None, :] >= 0) & (win_pos[:, None, :] <= q_pos_win[:, :, None])
-    m_surv = jnp.broadcast_to(surv_valid[:, None, :], (B, C, surv_valid.shape[-1]))
+    m_surv = jnp.broadcast_to(surv_valid[:, None, :], (B, C, S))
     parts = []  # an empty segment (W = 0 or S = 0, static) is skipped
-    if win_k.shape[2]:
-        parts.append(partial(scores(qw, win_k), win_v, m_win))
-    if surv_k_raw.shape[2]:
-        parts.append(partial(scores(qs[..., :F], k1r) + scores(qs[..., F:], k2r), surv_v, m_surv))
+    if W:
+        parts.append(partial(jnp.einsum("bckgd,bknd->bkgcn", qw, win_k.astype(f32), precision=hp), win_v, m_win))
+    if S:
+        table = rotation_table(inv_freq, _table_len(W, S, rank_limit), _is_concrete(inv_freq))
+        s_surv = _survivor_scores(qs, surv_k_raw, surv_pos, table, block_bytes, whole_segment_bytes)
+        parts.append(partial(s_surv, surv_v, m_surv))
     if not parts:
         return jnp.zeros_like(q)
     m = functools.reduce(jnp.maximum, [p[1] for p in parts])

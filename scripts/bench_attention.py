@@ -9,6 +9,7 @@ descriptions are rsqr_jax.experiments.bench_attention.
     python scripts/bench_attention.py                 # default run (~minutes on 2 cores)
     python scripts/bench_attention.py --quick         # tiny sanity run
     python scripts/bench_attention.py --out runs/x.json
+    python scripts/bench_attention.py --before runs/bench_attention_before.json   # + target ratios before -> after
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ def build_parser() -> Parser:
     p.add_argument("--budget", type=float, default=None, help="seconds of timed rounds per (N, batch)")
     p.add_argument("--max-n-batch16", type=int, default=32768, help="largest N run at batch 16")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    p.add_argument("--before", default=None,
+                   help="an earlier JSON of this script: print the target ratios before -> after")
     return p
 
 
 def main() -> int:
     args = build_parser().parse_args()
+    before = X.load_result(args.before) if args.before else None
     config = X.BenchAttentionConfig(quick=args.quick, budget_s=args.budget, max_n_batch16=args.max_n_batch16)
     t0 = time.time()
     result = X.run(config, command=" ".join(sys.argv), log=None if args.json else print)
@@ -43,6 +47,9 @@ def main() -> int:
         return 0
     print()
     print(result.table_md)
+    if before is not None:
+        print(f"\ntarget ratios (process CPU) before ({args.before}) -> after\n")
+        print(X.compare_md(before, result.to_json()))
     print(f"\nwrote {args.out} in {time.time() - t0:.0f} s")
     return 0
 

@@ -29,6 +29,15 @@ def test_quick_run_rows_ratios_and_json(tmp_path):
     assert set(doc) == {"meta", "rows", "table_md"} and doc["meta"]["command"] == "test"
     assert doc["meta"]["shape"] == {"C": 1, "Hq": 9, "Hkv": 3, "D": 64, "dtype": "float32"}
     assert doc["table_md"].count("| 4 | 2048 |") == 4  # wall, ratios, CPU, CPU ratios
+    assert X.load_result(path)["rows"] == doc["rows"]
+    before = json.loads(path.read_text())
+    before["rows"][0]["ratio_cpu"]["xla_1/2/plain"] = 9.0
+    cmp = X.compare_md(before, doc).splitlines()
+    r0 = doc["rows"][0]["ratio_cpu"]["xla_1/2/plain"]
+    assert len(cmp) == 2 + len(doc["rows"]) and f"9.00 → {r0:.2f}" in cmp[2]  # N < 4k: never bold
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a bench_attention JSON"):
+        X.load_result(tmp_path / "bad.json")
 
 
 def test_timed_paths_compute_the_contract():

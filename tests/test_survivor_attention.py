@@ -13,7 +13,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from pallas_kernels import survivor_attention, survivor_attention_reference
-from pallas_kernels.survivor_attention import _angle_input, _survivor_attention_parts, survivor_attention_xla
+from pallas_kernels.survivor_attention import (_angle_input, _survivor_attention_parts, rotation_table,
+                                               survivor_attention_xla)
 from rsqr_jax.testing.kernel import (KERNEL_ARGS, args_of, kernel_inputs, oracle_f64, rel_err, rope_inv_freq,
                                      rope_f64)
 
@@ -88,8 +89,10 @@ def test_every_output_element_written():
 
     inp, inv = kernel_inputs(7, B=1, C=3, Hq=9, Hkv=3, D=64, W=21, S=5, dtype=jnp.float32, empty_window=4)
     freq, exact = _angle_input(inv, None)
-    o, m, l = _survivor_attention_parts(*args_of(inp), freq, scale=64**-0.5, interpret=True, block_k=16,
-                                        block_q=16, num_splits=4, exact=exact, num_warps=None, num_stages=2)
+    table = rotation_table(inv, 21 + 5, exact)
+    o, m, l = _survivor_attention_parts(*args_of(inp), freq, table, scale=64**-0.5, interpret=True, block_k=16,
+                                        block_s=16, block_q=16, num_splits=4, exact=exact, num_warps=4,
+                                        num_stages=2)
     assert o.shape[2] == 4  # 4 splits, of which some see no key block at all
     for x in (o, m, l):
         assert np.isfinite(np.asarray(x)).all()
@@ -170,4 +173,47 @@ def test_oracle_by_hand_gqa_and_masks():
         scores = [np.dot(k, qw if i < 7 else qs) / 4.0 for i, k in enumerate(keys)]
         w = np.array([np.exp(s) if v else 0.0 for s, v in zip(scores, vis)])
         np.testing.assert_allclose(got[0, 0, h], w @ np.array(vals, np.float64) / w.sum(), rtol=1e-10)
-    assert (a["win_pos"] == -1).sum() == 2 and a["surv_pos"][0, 0] == 4
+    assert (a["win_pos"] == -1).sum() == 2 and list(a["surv_pos"][0]) == [0, 1, 2, 3, 4]
+
+
+def test_rotation_table_is_exact_and_out_of_table_ranks_are_loud():
+    """The survivor rotations come from a float32 table over [0, W + S) built from float64 angles: within
+    float32 rounding of cos/sin at every rank (the integer reduction it replaces erred ~5e-7 rad). A rank
+    outside the table is a contract violation: NaN, never a silently wrong rotation; an invalid slot's
+    rank does not matter. The XLA path here runs in several cache blocks plus a tail (block_bytes)."""
+    inv = rope_inv_freq(64, 1e5)
+    n = 3000
+    table = rotation_table(inv, n, exact=True)
+    ang = np.arange(n)[:, None] * inv.astype(np.float64)
+    assert np.abs(table - np.concatenate([np.cos(ang), np.sin(ang)], 1)).max() < 6e-8
+    inp, inv = kernel_inputs(31, B=2, C=1, Hq=9, Hkv=3, D=64, W=24, S=40, dtype=jnp.float32)
+    xla_blocks = jax.jit(lambda *a: survivor_attention_xla(*a, inv, block_bytes=2 * 3 * 64 * 4 * 16,
+                                                           whole_segment_bytes=0))
+    assert rel_err(xla_blocks(*args_of(inp)), oracle_f64(*args_of(inp), inv)) < 1e-4  # 16-key blocks: 2 + a tail of 8
+    valid = np.asarray(inp["surv_valid"])
+    pos = np.asarray(inp["surv_pos"]).copy()
+    pos[~valid] = 10**6  # invalid slots: any rank
+    pos[0, np.flatnonzero(valid[0])[0]] = 24 + 40  # one valid rank just past the table, batch row 0 only
+    bad = dict(inp, surv_pos=jnp.asarray(pos))
+    for out in (xla_blocks(*args_of(bad)), survivor_attention(*args_of(bad), inv, interpret=True, num_splits=1)):
+        out = np.asarray(out)
+        assert np.isnan(out[0]).all() and rel_err(out[1], oracle_f64(*args_of(bad), inv)[1]) < 1e-4
+    wide = jax.jit(lambda *a: survivor_attention_xla(*a, inv, rank_limit=24 + 41))(*args_of(bad))  # covers it
+    assert rel_err(wide, oracle_f64(*args_of(bad), inv)) < 1e-4
+
+
+def test_splits_fill_the_gpu_and_share_both_segments():
+    """default_num_splits: SMs x programs per SM over the grid's programs, >= 2 key blocks per split; the
+    block list (window blocks, then survivor blocks) is cut evenly, so with 2 + 2 blocks and 4 splits every
+    split holds exactly one block and sees keys (l > 0 on the real rows)."""
+    from pallas_kernels.survivor_attention import default_num_splits
+
+    assert default_num_splits(programs=24, n_blocks=1000, num_warps=4, sms=132) == 22  # 132 * 4 / 24
+    assert default_num_splits(programs=24, n_blocks=10, num_warps=4, sms=132) == 5
+    assert default_num_splits(programs=10**4, n_blocks=10, num_warps=8, sms=132) == 1
+    inp, inv = kernel_inputs(41, B=1, C=1, Hq=3, Hkv=1, D=64, W=32, S=32, dtype=jnp.float32, surv_invalid_frac=0.0)
+    freq, exact = _angle_input(inv, None)
+    o, m, l = _survivor_attention_parts(*args_of(inp), freq, rotation_table(inv, 64, exact), scale=64**-0.5,
+                                        interpret=True, block_k=16, block_s=16, block_q=16, num_splits=4,
+                                        exact=exact, num_warps=4, num_stages=2)
+    assert (np.asarray(l)[0, 0, :, :3] > 0).all()

@@ -3,7 +3,8 @@
   (a) plain   : attention over N pre-rotated keys (the floor);
   (b) rsqr    : S survivors rotated from raw inside attention + N - S pre-rotated window keys, S/N in
                 {1/8, 1/2}; twice: "ref" = pallas_kernels.survivor_attention_reference (the simple
-                reference) and "xla" = survivor_attention_xla (the CPU-lean XLA formulation);
+                reference) and "xla" = survivor_attention_xla (the CPU-lean XLA formulation: rotations
+                from the cos/sin table over ranks, survivor scores in cache-sized blocks);
   (c) stream  : StreamingLLM - rotate all N raw keys at their ranks, then attend; twice: "stream" with a
                 precomputed cos/sin table (the strongest baseline: ranks are always 0..N-1) and
                 "stream_c" through the contract (survivor_attention_xla with every key in the raw
@@ -25,7 +26,7 @@ import time
 
 import numpy as np
 
-from rsqr_jax.experiments.common import ConfigError, write_json_atomic
+from rsqr_jax.experiments.common import ConfigError, read_text, write_json_atomic
 
 HQ, HKV, D = 9, 3, 64
 ROPE_BASE = 100000.0  # SmolLM2 rope_theta
@@ -187,6 +188,42 @@ def ratios(t: dict) -> dict:
             out[f"stream/{impl}_{f}"] = t["stream"] / t[f"{impl}_{f}"]
             out[f"stream_c/{impl}_{f}"] = t["stream_c"] / t[f"{impl}_{f}"]
     return out
+
+
+TARGETS = {"xla_1/8/plain": ("<=", 1.10, 4096), "xla_1/2/plain": ("<=", 1.10, 4096),
+           "stream/xla_1/8": (">=", 1.30, 8192), "stream/xla_1/2": (">=", 1.30, 8192)}  # issue 14: (op, bound, N >=)
+
+
+def load_result(path) -> dict:
+    """An earlier JSON document of this benchmark; ConfigError (one line) if it is not one."""
+    import json
+
+    try:
+        doc = json.loads(read_text(path))
+        rows = doc["rows"]
+        assert all(set(TARGETS) <= set(r["ratio_cpu"]) for r in rows)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ConfigError(f"{path} is not a bench_attention JSON document ({type(e).__name__})") from None
+    return doc
+
+
+def compare_md(before: dict, after: dict, key: str = "ratio_cpu") -> str:
+    """Markdown table of the target ratios, before -> after, per (batch, N) present in both JSON documents;
+    a ratio inside its target (TARGETS) is bold."""
+    old = {(r["batch"], r["N"]): r for r in before["rows"]}
+    head = "| batch | N | " + " | ".join(f"{k} before → after" for k in TARGETS) + " |"
+    lines = [head, "|---|---|" + "---|" * len(TARGETS)]
+    for r in after["rows"]:
+        b = old.get((r["batch"], r["N"]))
+        if b is None:
+            continue
+        cells = []
+        for k, (op, bound, n_min) in TARGETS.items():
+            v = r[key][k]
+            ok = v <= bound if op == "<=" else v >= bound
+            cells.append(f"{b[key][k]:.2f} → " + (f"**{v:.2f}**" if ok and r["N"] >= n_min else f"{v:.2f}"))
+        lines.append(f"| {r['batch']} | {r['N']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def tables(rows) -> str:

@@ -18,7 +18,7 @@ from rsqr_jax.testing.oracle import rope_f64
 
 KERNEL_ARGS = ("q", "win_k", "win_v", "win_pos", "surv_k_raw", "surv_v", "surv_pos", "surv_valid", "q_pos_win",
                "q_pos_surv")
-N_SINK = 4  # logical positions 0..3 belong to the sinks; survivor slots follow them
+N_SINK = 4  # the first survivor slots (ranks 0..3) hold the sinks, as in the cache
 
 
 def rope_inv_freq(D: int, base: float = 10000.0) -> np.ndarray:
@@ -62,8 +62,9 @@ def kernel_inputs(seed: int, *, B, C, Hq, Hkv, D, W, S, dtype, t0=None, empty_wi
     Window = ring buffer of the contiguous global positions ending at the chunk's last query (at t0 + C - 1,
     t0 drawn in [1e5, 1e6) unless given), permuted, `empty_window` slots per row emptied (-1); the chunk's
     own tokens sit in the window (causal masking inside the chunk). Window keys are rotated in float64 at
-    their positions. Survivors sit after N_SINK sinks at logical positions N_SINK..N_SINK+S-1, a fraction
-    `surv_invalid_frac` invalid; the query's survivor-segment position is N_SINK + S + (t - w0).
+    their positions. Survivors (the first N_SINK of them the sinks) sit at ranks 0..S-1, as in the cache
+    (ranks stay below the capacity W + S, the kernels' rotation table), a fraction `surv_invalid_frac`
+    invalid; the query's survivor-segment position is S + (t - w0).
     """
     import jax.numpy as jnp
 
@@ -77,11 +78,11 @@ def kernel_inputs(seed: int, *, B, C, Hq, Hkv, D, W, S, dtype, t0=None, empty_wi
         win_pos[b, rng.choice(W, size=min(empty_window, W), replace=False)] = -1
     if all_window_empty:
         win_pos[:] = -1
-    surv_pos = np.tile(np.arange(N_SINK, N_SINK + S, dtype=np.int32), (B, 1))
+    surv_pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))
     surv_valid = rng.random((B, S)) >= surv_invalid_frac
     win_k = rope_f64(rng.standard_normal((B, Hkv, W, D)), np.maximum(win_pos, 0)[:, None, :], inv)
     q_pos_win = np.tile(np.arange(t0, t0 + C, dtype=np.int32), (B, 1))
-    q_pos_surv = (N_SINK + S + q_pos_win - w0).astype(np.int32)
+    q_pos_surv = (S + q_pos_win - w0).astype(np.int32)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     return dict(
         q=cast(rng.standard_normal((B, C, Hq, D))),
