@@ -74,15 +74,6 @@ def cold_store_flags(args):
     """The ColdStore of --cold-capacity --page-size --page-score --recall-neighbors; one-line errors."""
     from rsqr_jax.spec import ColdStore
 
-    if args.page_size < 1:
-        raise UsageError(f"--page-size must be >= 1, got {args.page_size}")
-    if args.cold_capacity < args.page_size or args.cold_capacity % args.page_size:
-        raise UsageError(f"--cold-capacity {args.cold_capacity} must be a positive multiple of --page-size "
-                         f"{args.page_size}")
-    if args.page_score not in ("mean", "quest"):
-        raise UsageError(f"--page-score must be mean or quest, got {args.page_score!r}")
-    if args.recall_neighbors < 0:
-        raise UsageError(f"--recall-neighbors must be >= 0, got {args.recall_neighbors}")
     try:
         return ColdStore(args.cold_capacity, args.page_size, args.page_score, args.recall_neighbors)
     except ValueError as e:

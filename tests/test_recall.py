@@ -314,10 +314,10 @@ def test_quest_bound_matches_numpy_and_bounds_every_key():
 RECALL_FLAGS = [
     (["--policy", "rerotate", "--recall-pages", "4"], "rerotate cannot recall evicted tokens"),
     (["--recall-pages", "-1"], "must be >= 0"),
-    (["--recall-pages", "4", "--cold-capacity", "100"], "must be a positive multiple of --page-size 16"),
+    (["--recall-pages", "4", "--cold-capacity", "100"], "must be a positive multiple of the page size 16"),
     (["--recall-pages", "300", "--cold-capacity", "64"], "exceeds the cold store's 4 pages"),
-    (["--recall-pages", "4", "--page-score", "max"], "--page-score must be mean or quest"),
-    (["--recall-pages", "4", "--recall-neighbors", "-1"], "--recall-neighbors must be >= 0"),
+    (["--recall-pages", "4", "--page-score", "max"], "unknown page score 'max'"),
+    (["--recall-pages", "4", "--recall-neighbors", "-1"], "recall neighbors must be >= 0"),
 ]
 COLD_TOO_LARGE = ("decode.py", ["--recall-pages", "4", "--cold-capacity", str(1 << 30)])
 
