@@ -32,11 +32,11 @@ def build_parser() -> Parser:
     p.add_argument("--p2-trials", type=int, default=20, help="P2 trials per seed (the author: 20)")
     p.add_argument("--p1-cycles", default=",".join(map(str, R.P1_CYCLES)))
     p.add_argument("--p2-cycles", default=",".join(map(str, R.P2_CYCLES)))
-    p.add_argument("--p1-arms", default=",".join(R.P1_REPLICA_ARMS + R.OURS))
-    p.add_argument("--p2-arms", default=",".join(R.P2_REPLICA_ARMS + R.OURS))
+    p.add_argument("--p1-arms", default=None, help=f"default: all of {','.join(R.P1_REPLICA_ARMS + R.OURS)}")
+    p.add_argument("--p2-arms", default=None, help=f"default: all of {','.join(R.P2_REPLICA_ARMS + R.OURS)}")
     p.add_argument("--factorial-trials", type=int, default=24, help="trials per factorial cell")
     p.add_argument("--factorial-cycles", default=",".join(map(str, R.FACTORIAL_CYCLES)))
-    p.add_argument("--factorial-policies", default=",".join(R.FACTORIAL_POLICIES))
+    p.add_argument("--factorial-policies", default=None, help=f"default: {','.join(R.FACTORIAL_POLICIES)}")
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="the factorial's book filler (default: Frankenstein)")
     p.add_argument("--batch", type=int, default=48, help="rows of one batched step")
     add_model_args(p)
@@ -58,16 +58,15 @@ def _names(text: str) -> tuple:
 
 
 def config_from_args(args) -> R.ReproConfig:
-    kw = dict(parts=_names(args.parts), seeds=_ints(args.seeds, "--seeds"), p1_trials_per_seed=args.p1_trials,
-              p2_trials_per_seed=args.p2_trials, p1_cycles=_ints(args.p1_cycles, "--p1-cycles"),
-              p2_cycles=_ints(args.p2_cycles, "--p2-cycles"), p1_arms=_names(args.p1_arms),
-              p2_arms=_names(args.p2_arms), factorial_trials=args.factorial_trials,
-              factorial_cycles=_ints(args.factorial_cycles, "--factorial-cycles"),
-              factorial_policies=_names(args.factorial_policies), batch=args.batch)
+    chosen = {k: _names(v) for k, v in (("p1_arms", args.p1_arms), ("p2_arms", args.p2_arms),
+                                          ("factorial_policies", args.factorial_policies)) if v}
     if args.quick:
-        keep = {k: kw[k] for k in ("parts", "p1_arms", "p2_arms", "factorial_policies")}
-        return R.quick_config(**keep)
-    return R.ReproConfig(**kw).validate()
+        return R.quick_config(parts=_names(args.parts), **chosen)
+    return R.ReproConfig(parts=_names(args.parts), seeds=_ints(args.seeds, "--seeds"), p1_trials_per_seed=args.p1_trials,
+                         p2_trials_per_seed=args.p2_trials, p1_cycles=_ints(args.p1_cycles, "--p1-cycles"),
+                         p2_cycles=_ints(args.p2_cycles, "--p2-cycles"), factorial_trials=args.factorial_trials,
+                         factorial_cycles=_ints(args.factorial_cycles, "--factorial-cycles"), batch=args.batch,
+                         **chosen).validate()
 
 
 def load(args) -> R.ReproModel:

@@ -142,3 +142,25 @@ def test_statistics():
 def test_bad_input_is_one_line():
     r = run_script("exp_reproduce.py", "--parts", "p3", "--quick")
     assert_one_line_error(r, "unknown part")
+
+
+def fake_enc():
+    """A word-level stand-in for the SmolLM2 tokenizer with the same token counts on the author's strings
+    (' the' one token, ' 5' = space + digit, the fact 7 tokens, the suffix 5): no tokenizer file to load."""
+    import re
+
+    vocab: dict[str, int] = {}
+    return lambda s: [vocab.setdefault(p, len(vocab)) for p in re.findall(r" ?[A-Za-z]+|'s| |\d|[.]", s)]
+
+
+def test_query_layout_shows_the_off_by_one_emptying_the_window():
+    """On study 2's stream (16 cycles) the rank-based RSQR's window cache has been emptied by the
+    off-by-one; with it fixed the window holds 24 entries; the pinned-slice bug duplicates one entry 5x."""
+    enc = fake_enc()
+    assert len(enc("The secret number is 5.")) == 7 and len(enc(". The secret number is")) == 5
+    t = R.draw_trials("p2", enc, list(range(1000, 1024)), 16, (0,), 1)[0]
+    bug, fixed = R.query_layout("C_rsqr_rank", t), R.query_layout("C_rsqr_rank_fixed", t)
+    assert bug["n_window_entries"] == 0 and bug["n_survivors"] == 32
+    assert fixed["n_window_entries"] == 24
+    assert R.query_layout("B_uncorrected", t)["duplicated_kv"] == 5  # 5 suffix tokens -> copies of one entry
+    assert R.query_layout("B_uncorrected_clean", t)["duplicated_kv"] == 0

@@ -182,6 +182,29 @@ def replica_arm(name: str, t: dict) -> A.Arm:
     return table[name]()
 
 
+def query_layout(name: str, t: dict) -> dict:
+    """What the query token of a replica arm attends to (no model: a fake step numbers the slots): how many
+    entries, its position, the fact's positions and distance, duplicated K/V, shared positions."""
+    arm = replica_arm(name, t)
+    calls: list[A.Call] = []
+    try:
+        call = next(arm)
+        while True:
+            calls.append(call)
+            call = arm.send(A.Reply(len(calls) - 1, -1, float("nan")))
+    except StopIteration as done:
+        res = done.value
+    q = calls[-1]
+    fact_slots = set(range(t["sink_size"], t["sink_size"] + t["fact_len"]))
+    fact_pos = sorted(p for s, p in q.entries if s in fact_slots) if name != "A_replay" else []
+    slots = [s for s, _ in q.entries]
+    pos = [p for _, p in q.entries]
+    return {"entries": len(q.entries), "q_pos": q.pos, "fact_pos": [fact_pos[0], fact_pos[-1]] if fact_pos else None,
+            "q_minus_fact": q.pos - fact_pos[-1] if fact_pos else None, "duplicated_kv": len(slots) - len(set(slots)),
+            "shared_positions": len(pos) - len(set(pos)), "model_calls": len(calls),
+            **{k: v for k, v in res.items() if k.startswith("n_")}}
+
+
 @dataclasses.dataclass(frozen=True)
 class ReproConfig:
     """What to run. trials_per_seed x len(seeds) trials per cell (the author: 50 x 3 for P1, 20 x 3 for P2)."""
@@ -225,10 +248,12 @@ class ReproConfig:
 
 
 def quick_config(**kw) -> ReproConfig:
-    """The CI run: a few trials, the smallest cycle counts, every arm once."""
+    """The CI run: two trials, the smallest cycle counts, a few arms of each kind (replica, replay, engine,
+    both factorial answers); the unit tests cover every replica's bookkeeping."""
     base = dict(quick=True, seeds=(0,), p1_trials_per_seed=2, p2_trials_per_seed=2, p1_cycles=(4,), p2_cycles=(2,),
-                factorial_trials=2, factorial_cycles=(2,), factorial_only=("filler=salad", "prefix=p1"), batch=8,
-                gen_tokens=4)
+                p1_arms=("A_replay", "B_leave_gap", "full"), p2_arms=("C_rsqr_rank", "C_rsqr_two_scale", "rsqr"),
+                factorial_trials=2, factorial_cycles=(2,), factorial_only=("filler=salad", "prefix=p2", "feeding=8"),
+                batch=8, gen_tokens=4)
     base.update(kw)
     return ReproConfig(**base).validate()
 
@@ -339,7 +364,8 @@ def run_replicas(part: str, arms: list[str], trials: list[dict], n_cycles: int, 
         with progress(steps * -(-len(sel) // batch), f"{part}/{n_cycles}/{kind}", enabled=show_progress,
                       unit="step") as bar:
             res = A.run_rows(step, model.params, [replica_arm(a, t) for a, t in sel], num_layers=c.num_layers,
-                             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, slots=slots, batch=batch,
+                             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, slots=slots,
+                             batch=min(batch, _round8(len(sel))),
                              on_step=lambda _: bar.update())
         for (a, t), r in zip(sel, res):
             rows_out.append({"part": part, "arm": a, "n_cycles": n_cycles, "seed": t["seed"], "trial": t["trial"],
@@ -390,6 +416,11 @@ def _feed(dec, params, cache, pol, ids_BxT, chunk: int, *, last_logits: bool = F
     return cache, logits
 
 
+def _round8(n: int) -> int:
+    """Batch sizes rounded up to a multiple of 8: little padding, few distinct compilations."""
+    return -(-n // 8) * 8
+
+
 def _log_softmax(x):
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.sum(np.exp(x - m), -1, keepdims=True))
@@ -414,8 +445,8 @@ def run_ours(part: str, names: list[str], trials: list[dict], n_cycles: int, mod
         max_T = max(T for T, _ in by_shape)
         for (T, n_sink), group in by_shape.items():
             pols = [_policy(n, n_sink) for n in names]
-            B = batch
-            dec = _decoder(model, pols, B, 1, max_T)  # one spec (and compilation) for every group
+            B = min(batch, _round8(len(group)))
+            dec = _decoder(model, pols, B, 1, max_T)  # one spec per batch size for every group
             pol = stack_policies(pols)
             for lo in range(0, len(group), B):
                 rows = group[lo:lo + B]
@@ -512,7 +543,7 @@ def run_factorial_cell(cell: dict, tr: dict, cycles, policies, model: ReproModel
     if bounded:
         groups.insert(0, bounded)
     n = len(tr["numbers"])
-    B = batch
+    B = min(batch, n)
     for names in groups:
         pols = [_policy(p, n_sink) for p in names]
         dec = _decoder(model, pols, B, chunk, T if "full" in names else 0)
@@ -592,6 +623,7 @@ class ReproResult:
     summary: list
     timings: dict
     complete: bool
+    layouts: list = dataclasses.field(default_factory=list)
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -632,6 +664,8 @@ def run(cfg: ReproConfig, model: ReproModel, out_dir, *, filler_path: str | None
             t0 = time.perf_counter()
             trials = draw_trials(part, enc, sinks, c, cfg.seeds, per_seed)
             replicas = [a for a in arms if a not in OURS]
+            for a in replicas:  # trial 0's query layout per arm (cheap: no model)
+                result.layouts.append({"part": part, "arm": a, "n_cycles": c, **query_layout(a, trials[0])})
             if replicas:
                 records += run_replicas(part, replicas, trials, c, model, step, cfg.batch, show_progress)
             ours = [a for a in arms if a in OURS]
@@ -686,6 +720,16 @@ def markdown(res: ReproResult) -> str:
     lines += ["Tokenisation: filler words single tokens: " + str(t["filler_words_single_token"])
               + "; ' '+digit = space then digit: " + str(t["space_digit_is_space_then_digit"])
               + f"; query base tokens by name: {t['query_base_tokens_by_name']}; P2 sinks: {t.get('p2_sink_tokens')}", ""]
+    if res.layouts:
+        lines += ["## What the query attends to (trial 0 of each cell; `reproduce.query_layout`)", "",
+                  "| part | arm | n_cycles | entries | query pos | fact pos | query - fact | duplicated K/V | "
+                  "shared positions | counters |", "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+        for r in res.layouts:
+            extra = ", ".join(f"{k}={v}" for k, v in r.items() if k.startswith("n_") and k != "n_cycles")
+            lines.append(f"| {r['part']} | {r['arm']} | {r['n_cycles']} | {r['entries']} | {r['q_pos']} | "
+                         f"{r['fact_pos']} | {r['q_minus_fact']} | {r['duplicated_kv']} | {r['shared_positions']} | "
+                         f"{extra} |")
+        lines.append("")
     for part in ("p1", "p2", "factorial"):
         rows = [r for r in res.summary if r["part"] == part]
         if not rows:
