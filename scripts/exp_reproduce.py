@@ -39,6 +39,7 @@ def build_parser() -> Parser:
     p.add_argument("--factorial-policies", default=None, help=f"default: {','.join(R.FACTORIAL_POLICIES)}")
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="the factorial's book filler (default: Frankenstein)")
     p.add_argument("--batch", type=int, default=48, help="rows of one batched step")
+    p.add_argument("--from-json", default=None, help="print the tables of an existing reproduce.json (no model)")
     add_model_args(p)
     return p
 
@@ -95,6 +96,9 @@ def load(args) -> R.ReproModel:
 
 def main() -> int:
     args = build_parser().parse_args()
+    if args.from_json:
+        print(R.markdown(R.load_result(args.from_json)))
+        return 0
     check_model_args(args)
     if args.dtype != "float32":
         raise UsageError("the reproduction runs in float32 (the author's dtype)")

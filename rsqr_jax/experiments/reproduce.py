@@ -324,6 +324,47 @@ def summarize(records: list[dict], refs: dict[str, str]) -> list[dict]:
 REFS = {"p1": "B_rerotate", "p2": "B_corrected", "factorial": "streamingllm"}
 
 
+def _boot_diff(a, b, n: int = 4000, seed: int = 0) -> list[float]:
+    """95% percentile interval of mean(a) - mean(b), independent samples resampled separately."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if len(a) < 2 or len(b) < 2:
+        return [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    d = a[rng.integers(0, len(a), (n, len(a)))].mean(1) - b[rng.integers(0, len(b), (n, len(b)))].mean(1)
+    return [float(v) for v in np.percentile(d, [2.5, 97.5])]
+
+
+def factorial_effects(records: list[dict]) -> list[dict]:
+    """Main effect of each harness factor on each policy's accuracy, and on leave_gaps minus streamingllm
+    (the sign the two studies disagree on), per n_cycles: level means over all cells at that level, with
+    Wilson intervals and a bootstrap interval of the difference (trials differ between cells: unpaired;
+    the leave_gaps - streamingllm difference is paired within a trial)."""
+    recs = [r for r in records if r["part"] == "factorial"]
+    out = []
+    for factor, (l0, l1) in FACTORS.items():
+        for c in sorted({r["n_cycles"] for r in recs}):
+            for pol in sorted({r["arm"] for r in recs}) + ["leave_gaps-streamingllm"]:
+                vals = {}
+                for lev in (l0, l1):
+                    sel = [r for r in recs if r["n_cycles"] == c and f"{factor}={lev}" in r["cell"].split(",")]
+                    if pol == "leave_gaps-streamingllm":
+                        m = {(r["cell"], r["trial"]): r["correct"] for r in sel if r["arm"] == "streamingllm"}
+                        vals[lev] = [int(r["correct"]) - int(m[(r["cell"], r["trial"])]) for r in sel
+                                     if r["arm"] == "leave_gaps" and (r["cell"], r["trial"]) in m]
+                    else:
+                        vals[lev] = [int(r["correct"]) for r in sel if r["arm"] == pol]
+                if not vals[l0] or not vals[l1]:
+                    continue
+                row = {"factor": factor, "n_cycles": c, "policy": pol, "levels": [l0, l1],
+                       "n": [len(vals[l0]), len(vals[l1])], "mean": [float(np.mean(vals[l0])), float(np.mean(vals[l1]))],
+                       "diff": float(np.mean(vals[l1]) - np.mean(vals[l0])),
+                       "bootstrap95": _boot_diff(vals[l1], vals[l0])}
+                if pol != "leave_gaps-streamingllm":
+                    row["wilson"] = [list(wilson(sum(vals[lv]), len(vals[lv]))) for lv in (l0, l1)]
+                out.append(row)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # Running.
 
@@ -636,6 +677,18 @@ class ReproResult:
         return out / "reproduce.json"
 
 
+def load_result(path) -> ReproResult:
+    """A written reproduce.json (ConfigError, one line, when missing or unreadable)."""
+    import json
+
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+        return ReproResult(d["config"], d["tokenisation"], d["records"], summarize(d["records"], REFS),
+                           d.get("timings", {}), d.get("complete", False), d.get("layouts", []))
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+
+
 def run(cfg: ReproConfig, model: ReproModel, out_dir, *, filler_path: str | None = None,
         show_progress: bool = True) -> ReproResult:
     """Run the configured parts; writes OUT/reproduce.json (and .md) after every finished cell."""
@@ -711,6 +764,64 @@ def _row_text(r: dict) -> str:
     return s
 
 
+def _cell(rows: dict, arm: str, c: int, logp: bool = False) -> str:
+    r = rows.get((arm, c))
+    if r is None:
+        return "—"
+    lo, hi = r["wilson"]
+    s = f"{_pct(r['acc'])} [{_pct(lo)}, {_pct(hi)}]"
+    return s + (f" ({r['mean_logp']:.2f})" if logp and r.get("mean_logp") is not None else "")
+
+
+def side_by_side(res: ReproResult) -> str:
+    """The author's published tables next to ours, cell by cell (accuracy %, Wilson 95%, n)."""
+    out = []
+    p1 = {(r["arm"], r["n_cycles"]): r for r in res.summary if r["part"] == "p1"}
+    if p1:
+        ours = [a for a in ("A_replay", "B_rerotate", "B_leave_gap", "B_rerotate_noskip", "B_leave_gap_noskip",
+                            "full", "rsqr", "rsqr_cap") if any(k[0] == a for k in p1)]
+        out += ["### Study 1: author (Qwen2.5-0.5B, n = 150) vs ours (SmolLM2-135M)", "",
+                "| n_cycles | author A replay | author B re-rotate | author B leave-gap | n | "
+                + " | ".join(f"ours {a}" for a in ours) + " |", "|---:|---:|---:|---:|---:|" + "---|" * len(ours)]
+        for c in sorted({k[1] for k in p1}):
+            pub = PUBLISHED_P1.get(c, (None,) * 3)
+            n = max(r["n"] for k, r in p1.items() if k[1] == c)
+            out.append(f"| {c} | " + " | ".join("—" if v is None else f"{v:.1f}" for v in pub) + f" | {n} | "
+                       + " | ".join(_cell(p1, a, c) for a in ours) + " |")
+        out.append("")
+    p2 = {(r["arm"], r["n_cycles"]): r for r in res.summary if r["part"] == "p2"}
+    if p2:
+        ours = [a for a in ("B_corrected", "B_uncorrected", "C_rsqr_rank", "B_corrected_clean", "B_uncorrected_clean",
+                            "C_rsqr_rank_obo_fixed", "C_rsqr_rank_fixed", "C_rsqr_two_scale", "full", "rsqr", "rsqr_cap")
+                if any(k[0] == a for k in p2)]
+        out += ["### Study 2: author (Qwen2.5-0.5B, n = 60) vs ours (SmolLM2-135M); accuracy % [Wilson] (mean log-prob)",
+                "", "| n_cycles | author B corrected | author B uncorrected | author C RSQR | n | "
+                + " | ".join(f"ours {a}" for a in ours) + " |", "|---:|---|---|---|---:|" + "---|" * len(ours)]
+        for c in sorted({k[1] for k in p2}):
+            pub = PUBLISHED_P2.get(c)
+            cells = (["—"] * 3 if pub is None else
+                     [("—" if pub[i] is None else f"{pub[i]:.1f}") + ("" if pub[i + 3] is None else f" ({pub[i + 3]:.2f})")
+                      for i in range(3)])
+            n = max(r["n"] for k, r in p2.items() if k[1] == c)
+            out.append(f"| {c} | " + " | ".join(cells) + f" | {n} | " + " | ".join(_cell(p2, a, c, True) for a in ours)
+                       + " |")
+        out += ["", "### Study 2's paired test, RSQR vs B corrected: author vs ours", "",
+                "| n_cycles | author n | author diff | author McNemar p | author bootstrap 95% | ours arm | n | diff | "
+                "McNemar(cc) p | paired bootstrap 95% |", "|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
+        for c in sorted({k[1] for k in p2}):
+            pub = PUBLISHED_P2_MCNEMAR.get(c)
+            a = (f"{pub[0]} | {pub[1]:+.1f} | {pub[2]:.3f} | [{pub[3][0]:+.1f}, {pub[3][1]:+.1f}]" if pub
+                 else "— | — | — | —")
+            for arm in ("C_rsqr_rank", "C_rsqr_rank_fixed", "rsqr"):
+                r = p2.get((arm, c))
+                v = r.get("vs_ref") if r else None
+                if v:
+                    out.append(f"| {c} | {a} | {arm} | {v['n']} | {100 * v['diff']:+.1f} | {v['mcnemar_cc_p']:.3f} | "
+                               f"[{100 * v['bootstrap95'][0]:+.1f}, {100 * v['bootstrap95'][1]:+.1f}] |")
+        out.append("")
+    return "\n".join(out)
+
+
 def markdown(res: ReproResult) -> str:
     """Tables: per part, accuracy % [Wilson], mean log-prob; paired tests vs the reference arm and full."""
     lines = ["# Reproduction of the RSQR author's recall studies (SmolLM2-135M-Instruct, float32)", ""]
@@ -720,6 +831,9 @@ def markdown(res: ReproResult) -> str:
     lines += ["Tokenisation: filler words single tokens: " + str(t["filler_words_single_token"])
               + "; ' '+digit = space then digit: " + str(t["space_digit_is_space_then_digit"])
               + f"; query base tokens by name: {t['query_base_tokens_by_name']}; P2 sinks: {t.get('p2_sink_tokens')}", ""]
+    sbs = side_by_side(res)
+    if sbs:
+        lines += ["## The author's tables next to ours", "", sbs, ""]
     if res.layouts:
         lines += ["## What the query attends to (trial 0 of each cell; `reproduce.query_layout`)", "",
                   "| part | arm | n_cycles | entries | query pos | fact pos | query - fact | duplicated K/V | "
@@ -729,6 +843,15 @@ def markdown(res: ReproResult) -> str:
             lines.append(f"| {r['part']} | {r['arm']} | {r['n_cycles']} | {r['entries']} | {r['q_pos']} | "
                          f"{r['fact_pos']} | {r['q_minus_fact']} | {r['duplicated_kv']} | {r['shared_positions']} | "
                          f"{extra} |")
+        lines.append("")
+    effects = factorial_effects(res.records)
+    if effects:
+        lines += ["## Factorial main effects (accuracy %, level 0 -> level 1; diff with bootstrap 95%)", "",
+                  "| factor | n_cycles | policy | level 0 | level 1 | n | diff [95%] |", "|---|---:|---|---|---|---|---|"]
+        for e in effects:
+            lines.append(f"| {e['factor']} | {e['n_cycles']} | {e['policy']} | {e['levels'][0]}: {_pct(e['mean'][0])} | "
+                         f"{e['levels'][1]}: {_pct(e['mean'][1])} | {e['n'][0]}/{e['n'][1]} | {100 * e['diff']:+.1f} "
+                         f"[{100 * e['bootstrap95'][0]:+.1f}, {100 * e['bootstrap95'][1]:+.1f}] |")
         lines.append("")
     for part in ("p1", "p2", "factorial"):
         rows = [r for r in res.summary if r["part"] == part]
