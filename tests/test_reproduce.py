@@ -164,3 +164,20 @@ def test_query_layout_shows_the_off_by_one_emptying_the_window():
     assert fixed["n_window_entries"] == 24
     assert R.query_layout("B_uncorrected", t)["duplicated_kv"] == 5  # 5 suffix tokens -> copies of one entry
     assert R.query_layout("B_uncorrected_clean", t)["duplicated_kv"] == 0
+
+
+@pytest.mark.slow
+def test_quick_cli_runs_every_part(tmp_path):
+    """`exp_reproduce.py --quick` (CI): a tiny random model over the SmolLM2 tokenizer through every part;
+    the JSON has a summary row per arm and the tokenisation report says the author's assumptions hold."""
+    import json
+
+    r = run_script("exp_reproduce.py", "--quick", "--no-progress", "--json", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    arms = {(row["part"], row["arm"]) for row in out["summary"]}
+    assert {("p1", "A_replay"), ("p1", "B_leave_gap"), ("p1", "full"), ("p2", "C_rsqr_rank"),
+            ("p2", "C_rsqr_two_scale"), ("p2", "rsqr"), ("factorial", "leave_gaps"),
+            ("factorial", "streamingllm"), ("factorial", "full")} <= arms
+    assert out["tokenisation"]["filler_words_single_token"] and out["tokenisation"]["space_digit_is_space_then_digit"]
+    assert (tmp_path / "reproduce.json").is_file() and (tmp_path / "reproduce.md").is_file()
