@@ -49,11 +49,13 @@ class Llama(nnx.Module):
             setattr(self, name, cast(name))
 
     def __call__(self, tokens_BxC: jax.Array, cache: KVCache, plan: StepPlan, *, kernel: str = "xla",
-                 capture_qk: bool = False):
+                 capture_qk: bool = False, attend: Callable = attend_layer):
         """Logits [B, C, V] (float32) of a chunk, and the cache with this chunk's K/V written.
 
         capture_qk: also return every layer's raw (un-rotated) q [L, B, C, Hq, D] and k [L, B, C, Hkv, D],
-        as the layer computed them (for experiments on RoPE numerics; no second forward anywhere)."""
+        as the layer computed them (for experiments on RoPE numerics; no second forward anywhere).
+        attend: the layer's attention, `attend_layer` (signature and cache contract); an experiment may pass
+        its own (e.g. rsqr_jax.experiments.reproduce_arms.explicit_attend, whose "cache" is its own pytree)."""
         cfg = self.config
         B, C = tokens_BxC.shape
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -70,7 +72,7 @@ class Llama(nnx.Module):
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k = q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D)
-            attn, cache = attend_layer(idx, q, k, v.reshape(B, C, Hkv, D), cache, plan, inv_freq, kernel=kernel)
+            attn, cache = attend(idx, q, k, v.reshape(B, C, Hkv, D), cache, plan, inv_freq, kernel=kernel)
             x = x + _dense(attn.reshape(B, C, Hq * D).astype(x.dtype), p["wo"])
             h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
             x = x + _dense(jax.nn.silu(_dense(h, p["w_gate"])) * _dense(h, p["w_up"]), p["w_down"])
@@ -83,15 +85,15 @@ class Llama(nnx.Module):
         return (logits, cache, qk) if capture_qk else (logits, cache)
 
 
-def split_apply(model: Llama, *, kernel: str = "xla") -> tuple[Callable, nnx.State]:
+def split_apply(model: Llama, *, kernel: str = "xla", attend: Callable = attend_layer) -> tuple[Callable, nnx.State]:
     """(apply_fn, params): a pure function for the streaming loops (`nnx.split` once, `nnx.merge` inside).
 
-    apply_fn(params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache).
+    apply_fn(params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache); `attend` as in `Llama.__call__`.
     """
     graphdef, params = nnx.split(model)
 
     def apply_fn(params, tokens_BxC, cache, plan):
-        return nnx.merge(graphdef, params)(tokens_BxC, cache, plan, kernel=kernel)
+        return nnx.merge(graphdef, params)(tokens_BxC, cache, plan, kernel=kernel, attend=attend)
 
     return apply_fn, params
 
