@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 
-from _common import DEFAULT_TEXT, REPO_ROOT, Parser, add_model_args, check_model_args, run_main
+from _common import (DEFAULT_TEXT, REPO_ROOT, Parser, add_model_args, add_recall_args, check_model_args,
+                     cold_store_flags, run_main)
 
 from rsqr_jax.experiments import recall
 
@@ -44,9 +45,6 @@ def build_parser() -> Parser:
     p.add_argument("--cycle-len", type=int, default=16, help="filler tokens per cycle")
     p.add_argument("--delta", type=int, default=8, help="rsqr survivor stride")
     p.add_argument("--cap", type=int, default=16, help="rsqr_cap max_survivors")
-    p.add_argument("--recall-pages", type=int, default=4, help="rsqr_recall: cold pages recalled per layer and step")
-    p.add_argument("--cold-capacity", type=int, default=4096, help="rsqr_recall: evicted tokens the cold store keeps")
-    p.add_argument("--page-size", type=int, default=16, help="rsqr_recall: tokens per cold page")
     p.add_argument("--gen-tokens", type=int, default=10, help="greedy answer tokens")
     p.add_argument("--batch", type=int, default=40, help="trials per batch (rows of one forward)")
     p.add_argument("--seed", type=int, default=0)
@@ -55,6 +53,7 @@ def build_parser() -> Parser:
     p.add_argument("--resume", action="store_true",
                    help="continue OUT/recall.json written by an interrupted run: arms it finished are kept, the "
                         "rest run (the settings must match)")
+    add_recall_args(p, default_pages=4, what="the rsqr_recall arm")
     add_model_args(p)
     return p
 
@@ -71,8 +70,8 @@ def config_from_args(args) -> recall.RecallConfig:
     return recall.make_config(
         args.filler, quick=args.quick, trials=args.trials, n_facts=args.n_facts, **ints, **choices,
         facts=args.facts, preamble=args.preamble, window=args.window, block=args.block, cycle_len=args.cycle_len,
-        delta=args.delta, cap=args.cap, recall_pages=args.recall_pages, cold_capacity=args.cold_capacity,
-        page_size=args.page_size, gen_tokens=args.gen_tokens, batch=args.batch, seed=args.seed,
+        delta=args.delta, cap=args.cap, recall_pages=args.recall_pages, cold=cold_store_flags(args),
+        gen_tokens=args.gen_tokens, batch=args.batch, seed=args.seed,
         model=args.model, dtype=args.dtype, kernel=args.kernel)
 
 

@@ -343,7 +343,9 @@ def test_cli_bad_input_is_one_line(tmp_path):
     f = tmp_path / "facts.txt"
     f.write_text("Alice 123\nBob 12345\n")
     assert_one_line_errors([("exp_recall.py", ["--cycles", "2,x"], "--cycles must be a comma-separated list"),
-                            ("exp_recall.py", ["--facts", str(f)], "same number of digits")])  # one batch
+                            ("exp_recall.py", ["--facts", str(f)], "same number of digits"),
+                            ("exp_recall.py", ["--cold-capacity", "24", "--page-size", "16"], "recall flags: "),
+                            ("exp_recall.py", ["--recall-pages", "0"], "--recall-pages must be in")])  # one batch
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from rsqr_jax.spec import ColdStore
 from rsqr_jax.experiments.common import (ConfigError, check_memory, progress, read_text, sigterm_interrupts, status,
                                          write_json_atomic)
 from rsqr_jax.experiments.recall_report import (PUBLISHED, RecallResult, load_resumable, paired, summarize,
@@ -105,8 +106,7 @@ class RecallConfig:
     delta: int = 8
     cap: int = 16
     recall_pages: int = 4  # rsqr_recall: rsqr_cap + the recall tier (DESIGN section 3b)
-    cold_capacity: int = 4096
-    page_size: int = 16
+    cold: ColdStore = ColdStore()  # rsqr_recall's cold store (validated where it is made)
     gen_tokens: int = 10
     batch: int = 40
     seed: int = 0
@@ -137,10 +137,9 @@ class RecallConfig:
             raise ConfigError(f"--block {self.block} must not exceed --window {self.window}")
         if self.gen_tokens < 2:
             raise ConfigError("--gen-tokens must be >= 2")
-        if self.recall_pages < 1 or self.page_size < 1 or self.cold_capacity < self.page_size \
-                or self.cold_capacity % self.page_size:
-            raise ConfigError(f"--recall-pages must be >= 1 and --cold-capacity ({self.cold_capacity}) a positive "
-                              f"multiple of --page-size ({self.page_size})")
+        if not 1 <= self.recall_pages <= self.cold.pages:
+            raise ConfigError(f"--recall-pages must be in [1, {self.cold.pages}] (the cold store's pages), "
+                              f"got {self.recall_pages}")
         if self.preamble not in ("none", "chat"):
             raise ConfigError(f"--preamble must be none or chat, got {self.preamble!r}")
         return self
@@ -177,7 +176,9 @@ class RecallConfig:
                 "preamble": self.preamble, "seed": self.seed, "trials": self.trials, "n_facts": self.n_facts,
                 "window": self.window, "block": self.block, "cycle_len": self.cycle_len, "delta": self.delta,
                 "cap": self.cap, "gen_tokens": self.gen_tokens, "cycles": list(self.cycles),
-                "recall": [self.recall_pages, self.cold_capacity, self.page_size],
+                "recall": [self.recall_pages, self.cold.capacity, self.cold.page_size]
+                + ([self.cold.page_score, self.cold.neighbors] if (self.cold.page_score, self.cold.neighbors)
+                   != ("mean", 0) else []),  # the old 3-item key when the defaults are kept: old runs resume
                 "bf16_cycles": list(self.bf16_cycles), "unprotected_cycles": list(self.unprotected_cycles),
                 "quick": self.quick}
 
@@ -321,7 +322,7 @@ class _Study:
     def cold_store(self, policies) -> dict:
         if not any(int(np.asarray(p.recall_pages)) for p in policies):
             return {}
-        return {"cold_capacity": self.cfg.cold_capacity, "page_size": self.cfg.page_size}
+        return self.cfg.cold.spec_kwargs()
 
     def stream_arm(self, dec, dtype, variant, arm, policy, cycles, n_sink):
         """One long stream per trial batch, asked at every checkpoint; records every trial's answer."""
