@@ -16,7 +16,9 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   is written raw on arrival at ring slot (r - N) mod Nc, so the ring is made of pages of P consecutive
   tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
   (the page summary that recall scores), cold_lo / cold_hi their per-channel minimum and maximum (only
-  for CacheSpec.page_score "quest"), cold_pos each slot's global position (-1 = empty). A token is
+  for CacheSpec.page_score "quest"), cold_k_glob [L, B, Hkv, Nc or 0, D] float32 every cold key rotated at
+  its global position (only for page_score "max": scoring, never attended), cold_pos each slot's global
+  position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
 
 Positions are shared by all layers and all batch rows (every row advances in lockstep), so they are
@@ -73,6 +75,7 @@ class KVCache:
     cold_sum: jax.Array
     cold_lo: jax.Array
     cold_hi: jax.Array
+    cold_k_glob: jax.Array
     cold_pos: jax.Array
     t: jax.Array
     start: jax.Array
@@ -107,6 +110,7 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         cold_sum=jnp.zeros((L, B, H, Nc // spec.page_size, D), jnp.float32), cold_pos=neg(Nc),
         cold_lo=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_hi=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
+        cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, D), jnp.float32),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
 

@@ -37,11 +37,13 @@ class Recall:
 
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
-                hi_BxHkvxPgxD=None) -> jax.Array:
+                hi_BxHkvxPgxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
     """Recall score of every cold page for this layer's queries, [B, Pg] (-inf for pages with nothing
     recallable), maximised over the chunk's real rows, the query heads of a group and the KV heads. The
     query is rotated at its global position; a page is summarized by its keys rotated at theirs: the mean
-    key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k)."""
+    key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k), or
+    with k_glob every key itself: the page's best recallable token, max q . k (the "max" rule; the mean
+    misses facts mid-stream, docs/recall_tier.md)."""
     B, C, Hq, D = q_BxCxHqxD.shape
     Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
     Pg = cold_pos_Nc.shape[0] // n_pages
@@ -49,6 +51,10 @@ def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, in
     q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), cos[:, None], sin[:, None])
     q_BxCxKxGxD = q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
     count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
+    if k_glob_BxHkvxNcxD is not None:
+        s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxKxGxD, k_glob_BxHkvxNcxD, precision=jax.lax.Precision.HIGHEST)
+        s = jnp.where(recall.q_real_C[None, :, None, None, None] & recall.token_valid_Nc, s, -jnp.inf)
+        return jnp.max(s.reshape(s.shape[:4] + (n_pages, Pg)), axis=(1, 2, 3, 5))  # [B, Pg]
     if lo_BxHkvxPgxD is None:
         mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
         s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxKxGxD, mean, precision=jax.lax.Precision.HIGHEST)
@@ -91,18 +97,20 @@ def with_neighbors(idx_BxK, active_BxK, cold_pos_Nc, n_pages: int, n: int) -> tu
     return pages, act & ~dup
 
 
-def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_pos_Nc, recall: Recall, surv_valid_S,
-                    inv_freq):
+def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_glob, cold_pos_Nc, recall: Recall,
+                    surv_valid_S, inv_freq):
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
-    (lo/hi with no pages = the mean rule). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
+    and cold_k_glob [B, Hkv, Nc or 0, D] its scoring copy of the keys (the rule: "max" with a copy, else
+    "quest" with lo/hi pages, else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
     that is also an attended survivor, or on a page gathered twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages
     quest = (cold_lo, cold_hi) if cold_lo.shape[2] else (None, None)
-    idx, active = choose_pages(page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest),
+    k_glob = cold_k_glob if cold_k_glob.shape[2] else None
+    idx, active = choose_pages(page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob),
                                cold_pos_Nc, recall.k_pages, K)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)

@@ -14,8 +14,10 @@ from rsqr_jax.policy import Policy, PolicyError
 
 # How recall ranks cold pages against a layer's queries (both on keys rotated at their global positions):
 # "mean": the query against the page's mean key; "quest": Quest's upper bound sum_d max(q_d lo_d, q_d hi_d)
-# over the page's per-channel key minimum and maximum.
-PAGE_SCORES = ("mean", "quest")
+# over the page's per-channel key minimum and maximum; "max": the page's best token, max over its keys of
+# q . k, exact (it keeps every cold key rotated at its global position, a float32 scoring copy, and scores
+# the whole store every step: O(store) per step where the summaries are O(store / page_size)).
+PAGE_SCORES = ("mean", "quest", "max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +179,8 @@ class CacheSpec:
             "token_ids": (self.win_capacity + self.surv_capacity) * self.batch * 4 if self.token_ids else 0,
             "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1) * 4,
             "cold_store": self.cold_slots * (self.entry_bytes + 4)
-            + (self.cold_slots // self.page_size) * summary_bytes * (3 if self.page_score == "quest" else 1),
+            + (self.cold_slots // self.page_size) * summary_bytes * (3 if self.page_score == "quest" else 1)
+            + (self.cold_slots * summary_bytes if self.page_score == "max" else 0),  # the float32 scoring copy
         }
         out["total"] = sum(out.values())
         # Working memory of the recalled tokens of one layer (gathered per step; not part of the stored cache).

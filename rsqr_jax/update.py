@@ -346,8 +346,8 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
     the stored key stays raw. A restarted page's summary starts afresh.
 
-    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], which recall
-    scores. The layer's summary is read once, updated at the chunk's pages and written back whole: had recall
+    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], and its
+    scoring copy of the keys [B, Hkv, Nc, D] (the "max" rule; empty otherwise), which recall scores. The layer's summary is read once, updated at the chunk's pages and written back whole: had recall
     read the [L, ...] buffer after a scatter into it, XLA's fusion inside the generation loop would keep
     the pre-scatter buffer alive and copy all layers' summaries twice per layer (5.7 GB per token for
     SmolLM2 with a 64k-token store)."""
@@ -367,13 +367,20 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
         return buf.at[layer].set(mine), mine
 
     cold_sum, layer_sum = summarize(cache.cold_sum, 0.0, "add")
-    out, summaries = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum), (layer_sum, cache.cold_lo[layer],
-                                                                            cache.cold_hi[layer])
+    out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
+    lo, hi, k_glob = cache.cold_lo[layer], cache.cold_hi[layer], cache.cold_k_glob[layer]
     if cache.cold_lo.shape[3]:
         (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
                                                       summarize(cache.cold_hi, -jnp.inf, "max"))
-        summaries = (layer_sum, lo, hi)
-    return cache.replace(**out), summaries
+    if cache.cold_k_glob.shape[3]:
+        # The "max" rule's scoring copy: written in place like cold_k, and read back like the recalled K/V, as
+        # one gather of this layer's slots from the [L, ...] buffer. A slice read (before or after the write)
+        # made XLA copy the whole buffer twice per layer (see the docstring).
+        out["cold_k_glob"] = _set(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
+        B, H, Nc = cache.cold_k_glob.shape[1:4]
+        k_glob = out["cold_k_glob"][layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
+                                    jnp.arange(Nc)[None, None, :]]
+    return cache.replace(**out), (layer_sum, lo, hi, k_glob)
 
 
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,

@@ -49,7 +49,8 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int = 0, what:
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
     g.add_argument("--page-score", default="mean", help="how pages are ranked: mean (the query against the page's "
-                   "mean key; measured better) or quest (Quest's per-channel bound)")
+                   "mean key), quest (Quest's per-channel bound) or max (the page's best token, exact: a float32 "
+                   "scoring copy of every cold key, the whole store scored each step)")
     g.add_argument("--recall-neighbors", type=int, default=0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
 

@@ -49,9 +49,10 @@ def nll(policy, tokens, spec, chunk=1, seed=0):
     return out
 
 
-def spec_for(policies, T, *, chunk=1, cold=0, page=4, dtype="float32", max_pages=None, neighbors=0):
+def spec_for(policies, T, *, chunk=1, cold=0, page=4, dtype="float32", max_pages=None, neighbors=0, score="mean"):
     return rj.CacheSpec.for_policies(policies, max_chunk=chunk, max_len=T, cold_capacity=cold, page_size=page,
-                                     max_recall_pages=max_pages, dtype=dtype, recall_neighbors=neighbors, **DIMS)
+                                     max_recall_pages=max_pages, dtype=dtype, recall_neighbors=neighbors,
+                                     page_score=score, **DIMS)
 
 
 def test_recall_pages_zero_equals_plain_rsqr():
@@ -64,16 +65,17 @@ def test_recall_pages_zero_equals_plain_rsqr():
     assert np.abs(base - full).max() > 0.1  # evictions changed the answer: the equality is not vacuous
 
 
-@pytest.mark.parametrize("mode,chunk,neighbors", [("rsqr", 1, 0), ("rsqr", 4, 1), ("streamingllm", 1, 0),
-                                                   ("streamingllm", 4, 0)])
-def test_recalling_every_evicted_token_equals_full(mode, chunk, neighbors):
+@pytest.mark.parametrize("mode,chunk,neighbors,score", [("rsqr", 1, 0, "mean"), ("rsqr", 4, 1, "mean"),
+                                                         ("streamingllm", 1, 0, "mean"), ("streamingllm", 4, 0, "mean"),
+                                                         ("rsqr", 4, 0, "max")])
+def test_recalling_every_evicted_token_equals_full(mode, chunk, neighbors, score):
     """(neighbors = 1: every page also brings both neighbours, so each token is gathered up to three times;
-    the equality holds only if each counts once.)"""
+    the equality holds only if each counts once. score = max: the rule with a scoring copy of the keys.)"""
     T = 64
     tokens = np.random.default_rng(_seed("full")).integers(0, CFG.vocab_size, size=(1, T))
     kw = dict(window=8, n_sink=2) | (dict(delta=3, max_survivors=3) if mode == "rsqr" else {})
     pol = P.make_policy(mode, recall_pages=T // 4, **kw)  # every page of a store that holds everything
-    got = nll(pol, tokens, spec_for([pol], T, chunk=chunk, cold=T, neighbors=neighbors), chunk=chunk)
+    got = nll(pol, tokens, spec_for([pol], T, chunk=chunk, cold=T, neighbors=neighbors, score=score), chunk=chunk)
     want = nll(P.full(), tokens, spec_for([P.full()], T, chunk=chunk), chunk=chunk)
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
     plain = P.make_policy(mode, **kw)
@@ -155,6 +157,40 @@ def test_page_choice_matches_a_numpy_model_of_the_scoring_rule():
         order = sorted(range(n_pages), key=lambda p: (-want[b, p], -p))
         assert list(np.asarray(idx[b])) == order[:3]
     assert np.asarray(active).tolist() == [[True, True, False]] * B  # k = 2 of the 3 gathered
+
+
+def test_max_rule_scores_each_page_by_its_best_recallable_token():
+    """page_score "max" against numpy: the page's max over its recallable tokens of q . k (keys as stored in
+    the scoring copy, rotated at their global positions), over real rows and all heads; a page whose tokens
+    are all unrecallable is -inf, and an unrecallable token does not count even if it would win."""
+    rng = np.random.default_rng(_seed("max-rule"))
+    B, C, Hq, Hkv, D, n_pages, Pg = 2, 3, 4, 2, 8, 5, 3
+    q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
+    k_glob = rng.normal(size=(B, Hkv, n_pages * Pg, D)).astype(np.float32)
+    cold_pos = np.arange(n_pages * Pg, dtype=np.int32) + 50
+    valid = rng.random(n_pages * Pg) < 0.7
+    valid[:Pg] = False  # page 0: nothing recallable
+    k_glob[:, :, 4] *= 50.0  # a dominant token ...
+    valid[4] = False  # ... that is not recallable
+    q_global, real = np.array([90, 91, 92], np.int32), np.array([True, False, True])
+    inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    rc = Recall(jnp.int32(2), jnp.asarray(valid), jnp.zeros((1,), jnp.int32), jnp.asarray(q_global),
+                jnp.asarray(real), jnp.asarray(True), 2)
+    zeros = jnp.zeros((B, Hkv, n_pages, D), jnp.float32)
+    got = np.asarray(page_scores(jnp.asarray(q), zeros, jnp.asarray(cold_pos), rc, jnp.asarray(inv),
+                                 None, None, jnp.asarray(k_glob)))
+    ang = q_global[:, None].astype(np.float64) * inv.astype(np.float64)[None]
+    c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    q_rot = np.concatenate([q[..., :D // 2] * c - q[..., D // 2:] * s, q[..., D // 2:] * c + q[..., :D // 2] * s], -1)
+    tok = np.einsum("bckgd,bknd->bckgn", q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_glob)[:, real].max(axis=(1, 2, 3))
+    want = np.where(valid, tok, -np.inf).reshape(B, n_pages, Pg).max(-1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isneginf(got[:, 0])) and np.all(np.isfinite(got[:, 1:]) | ~valid.reshape(n_pages, Pg).any(1)[1:])
+    # the scoring copy is its own part of the cold store's memory
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    mean, best = (spec_for([pol], 0, cold=64, score=r) for r in ("mean", "max"))
+    extra = best.bytes_by_part()["cold_store"] - mean.bytes_by_part()["cold_store"]
+    assert extra == best.cold_slots * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
 
 
 def test_neighbours_are_the_adjacent_pages_in_time_each_once():
@@ -316,7 +352,7 @@ RECALL_FLAGS = [
     (["--recall-pages", "-1"], "must be >= 0"),
     (["--recall-pages", "4", "--cold-capacity", "100"], "must be a positive multiple of the page size 16"),
     (["--recall-pages", "300", "--cold-capacity", "64"], "exceeds the cold store's 4 pages"),
-    (["--recall-pages", "4", "--page-score", "max"], "unknown page score 'max'"),
+    (["--recall-pages", "4", "--page-score", "maximum"], "unknown page score 'maximum'"),
     (["--recall-pages", "4", "--recall-neighbors", "-1"], "recall neighbors must be >= 0"),
 ]
 COLD_TOO_LARGE = ("decode.py", ["--recall-pages", "4", "--cold-capacity", str(1 << 30)])
@@ -404,14 +440,15 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
         np.testing.assert_array_equal(np.asarray(getattr(s.cache, f)), np.asarray(getattr(ref.cache, f)), err_msg=f)
 
 
-def test_the_generation_loop_copies_no_whole_store():
+@pytest.mark.parametrize("score", ["mean", "max"])
+def test_the_generation_loop_copies_no_whole_store(score):
     """The compiled generation loop with recall copies neither the cold store nor all layers' page summaries
-    per step (XLA did, 2 x L summary copies per layer, when recall read the [L, ...] buffer after a scatter
-    into it: O(L^2 x store) bytes per token). Checked on the optimized HLO."""
+    (nor the "max" rule's scoring copy) per step (XLA did, 2 x L summary copies per layer, when recall read
+    the [L, ...] buffer after a scatter into it: O(L^2 x store) bytes per token). Checked on the optimized HLO."""
     from rsqr_jax import engine
 
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
-    spec = spec_for([pol], 0, cold=1 << 16, page=16)  # XLA's choice depends on sizes: a large store
+    spec = spec_for([pol], 0, cold=1 << 16, page=16, score=score)  # XLA's choice depends on sizes: a large store
     apply_fn, params = _model(0)
     dec = rj.Decoder(apply_fn, spec, fixed_policy=engine.policy_values(pol))
     cache = jax.eval_shape(dec.init_cache)  # compiled, never allocated
