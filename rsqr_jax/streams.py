@@ -40,17 +40,20 @@ from rsqr_jax.spec import CacheSpec, validate
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """A prompt (token ids) to continue by up to max_new_tokens tokens; seed: the stream's rng key."""
+    """A prompt (token ids) to continue by up to max_new_tokens tokens; seed: the stream's rng key.
+    stop(emitted_ids) -> True ends the request early (checked after each generation block, so the tokens
+    of the rest of that block are kept: the caller trims them)."""
 
     ids: tuple[int, ...]
     max_new_tokens: int
     seed: int = 0
+    stop: Callable[[list[int]], bool] | None = None
 
 
 @dataclasses.dataclass
 class Finished:
     """A request's result: the emitted tokens (an end-of-sequence token included, as Session emits it),
-    why it stopped ("eos" or "length"), and the round it finished in."""
+    why it stopped ("eos", "length" or "stop": the request's stop callback), and the round it finished in."""
 
     index: int
     tokens: list[int]
@@ -211,8 +214,9 @@ class StreamScheduler:
             s.out.extend(emitted)
             self.n_generated += len(emitted)
             s.pending, s.budget, s.feed_only = int(nxt[i]), int(left[i]), False
-            if s.budget <= 0:
-                stop = "eos" if s.out and s.out[-1] in self.eos_ids else "length"
+            stopped = s.budget > 0 and s.request.stop is not None and s.request.stop(s.out)
+            if s.budget <= 0 or stopped:
+                stop = "stop" if stopped else "eos" if s.out and s.out[-1] in self.eos_ids else "length"
                 done.append(Finished(s.index, s.out, stop, len(s.request.ids), self.rounds))
                 self.slots[i] = None  # the slot is free; its cache is reset when the next stream joins
         return done
