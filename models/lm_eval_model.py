@@ -88,6 +88,8 @@ def check_model_args(args: dict) -> dict:
     out = dict(MODEL_ARGS)
     for k, v in args.items():
         if k in HARNESS_ARGS:
+            if k == "batch_size":  # kept: the number of streams (batch_slots)
+                out[k] = v
             continue
         default = MODEL_ARGS[k]
         if isinstance(default, int) and not (isinstance(v, int) and not isinstance(v, bool)):
@@ -123,9 +125,8 @@ class RsqrLM(TemplateLM):
         """Build from model arguments ("policy=rsqr,window=64" or a dict). pieces: (apply_fn, params,
         model_config, tokenizer) of a model already loaded (tests); else `model` (default: the embedded
         SmolLM2) is loaded."""
-        given = simple_parse_args_string(args) if isinstance(args, str) else dict(args)
-        a = check_model_args(given)
-        slots = batch_slots(given.get("batch_size"))
+        a = check_model_args(simple_parse_args_string(args) if isinstance(args, str) else args)
+        slots = batch_slots(a.get("batch_size"))
         from rsqr_jax.policy import make_policy
 
         policy = make_policy(a["policy"], window=a["window"], n_sink=a["sinks"], delta=a["delta"],

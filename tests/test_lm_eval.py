@@ -120,6 +120,8 @@ def test_bad_input_one_line_errors():
         RsqrLM.from_model_args("policy=rsqr,windw=64")
     with pytest.raises(ConfigError, match="window must be an integer"):
         RsqrLM.from_model_args("policy=rsqr,window=big")
+    with pytest.raises(ConfigError, match="batch_size must be a positive integer or 'auto', got 'many'"):
+        RsqrLM.from_model_args("policy=rsqr,batch_size=many")
 
 
 def test_sequential_engine_scores_equal_stream_nll_on_a_tiny_model():

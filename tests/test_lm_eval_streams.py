@@ -88,12 +88,17 @@ def test_lm_eval_builtin_tasks_through_include_yaml_same_with_streams(model):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from models.lm_eval_model import RsqrLM
+    from lm_eval.utils import simple_parse_args_string
+
+    from models.lm_eval_model import RsqrLM, check_model_args
 
     pieces = (*model, CFG, _Tokenizer(CFG.vocab_size))
     # the first test's engines (so their compilations are reused): rsqr W=8 against passages of ~8k bytes
     args = "policy=rsqr,window=8,sinks=2,delta=3,max_survivors=4,chunk=8,max_length=64,gen_block=4,max_gen_toks=8"
-    lms = [RsqrLM.from_model_args(args + extra, pieces=pieces) for extra in ("", ",batch_size=2")]
+    # batch_size as scripts/lm_eval.py hands it over: a string, through check_model_args
+    lms = [RsqrLM.from_model_args(args, pieces=pieces),
+           RsqrLM.from_model_args(check_model_args({**simple_parse_args_string(args), "batch_size": "2"}),
+                                  pieces=pieces)]
     assert isinstance(lms[0].engine, SequentialEngine) and isinstance(lms[1].engine, StreamsEngine)
     tasks = TaskManager(include_path=BUILTIN)  # (indexing lm-eval's own tasks takes seconds: once)
     runs = [lm_eval.simple_evaluate(model=lm, tasks=["offline_builtin"], limit=1, log_samples=True,
