@@ -110,3 +110,34 @@ def test_lm_eval_builtin_tasks_through_include_yaml_same_with_streams(model):
     np.testing.assert_allclose([ll3, resps[1]["wikitext"][0][0][0]], [ll, resps[0]["wikitext"][0][0][0]], rtol=1e-5)
     assert ll < 0 and set(runs[0]["results"]["wikitext"]) >= {"word_perplexity,none", "bits_per_byte,none"}
     assert set(runs[1]["results"]["lambada_openai"]) >= {"acc,none", "perplexity,none"}
+
+
+def test_interleaved_prefill_same_tokens_and_no_stall(model):
+    """A 40-token prompt joins a generating stream: prefill-first stalls it for the 5 prefill rounds,
+    interleaving (a prefill chunk and a generation block per round) gives it tokens every round, and every
+    token is the same (the compilations are the first test's: same Decoder)."""
+    from rsqr_jax.streams import Request, StreamScheduler
+
+    apply_fn, params = model
+    engine = StreamsEngine(apply_fn, params, make_policy("rsqr", **RSQR), n_slots=2, gen_block=4, **DIMS)
+    rng = np.random.default_rng(SEED + 7)
+    first, joiner = (Request(tuple(rng.integers(0, CFG.vocab_size, n).tolist()), m) for n, m in ((5, 40), (40, 6)))
+    outs, stalls = [], []
+    for interleave in (False, True):
+        sched = StreamScheduler(apply_fn, params, engine.spec, engine.policy, n_slots=2, prefill_chunk=8, gen_block=4,
+                                interleave=interleave)
+        sched.submit(first)
+        done, stall, longest = [], 0, 0
+        while not sched.idle:
+            generating = sched.slots[0] is not None and sched.slots[0].budget > 0
+            n_before = len(sched.slots[0].out) if sched.slots[0] is not None else 0
+            done += sched.step()
+            if generating and sched.n_submitted == 1:
+                sched.submit(joiner)  # joins once the first stream generates
+            elif generating and sched.slots[0] is not None:
+                stall = 0 if len(sched.slots[0].out) > n_before else stall + 1  # rounds without a token
+                longest = max(longest, stall)
+        outs.append(sorted((f.index, f.tokens) for f in done))
+        stalls.append(longest)
+    assert outs[0] == outs[1] and [len(t) for _, t in outs[0]] == [40, 6]
+    assert stalls == [5, 0], stalls
