@@ -13,11 +13,13 @@ the requests.
 
 A stream sees the computation a lone `Session` with the same settings runs (same chunks, a 1-token
 step for a 1-token remainder, the same rng splits; vmapped, so equal up to float reassociation), so greedy outputs equal the
-single-prompt ones. Scheduling: `interleave=True` (the default) runs, in a round where prompts are
-prefilling while others generate, one prefill chunk and then one generation block (two compiled calls,
-each leaving the other streams untouched), so a joining prompt delays the generating streams by one chunk
-per block instead of stalling them for its whole prefill; `interleave=False` is prefill-first (a round with
-prompts to prefill runs only the prefill). The tokens are the same either way.
+single-prompt ones. Scheduling: prefill-first by default (a round with prompts to prefill runs only the
+prefill: generating streams wait for a joining prompt's whole prefill, but every block then serves the
+most streams). `interleave=True` runs, in a round where prompts prefill while others generate, one prefill
+chunk and then one generation block (two compiled calls, each leaving the other streams untouched): a
+joining prompt delays the others by one chunk per block instead of stalling them (3-4.5x shorter longest
+stall on SmolLM2, CPU), at the price of blocks that serve fewer streams (23-29% fewer tokens/s there;
+docs/streams.md, "Join stall"). The tokens are the same either way.
 
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=16, prefill_chunk=64, eos_ids=eos)
     results = sched.run([Request(ids, max_new_tokens=64) for ids in prompts])   # in request order
@@ -82,7 +84,7 @@ class StreamScheduler:
     def __init__(self, apply_fn: Callable, params, spec: CacheSpec, policy: Policy, *, n_slots: int,
                  prefill_chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  eos_ids: Iterable[int] = (), gen_block: int = 16, vocab_size: int | None = None,
-                 interleave: bool = True):
+                 interleave: bool = False):
         if isinstance(n_slots, bool) or not isinstance(n_slots, (int, np.integer)) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
