@@ -6,9 +6,9 @@
 or `scripts/lm_eval.py --policy rsqr --window 256 --tasks ... --include_path ...`. Every policy and recall
 flag of the command lines is a model argument (MODEL_ARGS). Tokenization and request handling follow
 lm-eval's `TemplateLM` (the one HFLM uses: the same context/continuation split, the same prefix token), so
-`policy=full` scores exactly what lm-eval's `hf` backend scores. The requests run on
-`rsqr_jax.harness.SequentialEngine` (one at a time); an engine of independent streams can take its place
-(`RsqrLM(engine, tokenizer, ...)`). Requires the `eval` extra (lm-eval).
+`policy=full` scores exactly what lm-eval's `hf` backend scores. With batch_size N > 1 the requests run on
+`rsqr_jax.harness.StreamsEngine` (N independent streams, requests joining and leaving the slots); with
+batch_size 1 or "auto" on `SequentialEngine` (one at a time). Requires the `eval` extra (lm-eval).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string  # noqa: E402
 
-from rsqr_jax.harness import GenerateRequest, RequestEngine, SequentialEngine  # noqa: E402
+from rsqr_jax.harness import GenerateRequest, RequestEngine, SequentialEngine, StreamsEngine  # noqa: E402
 
 # Model arguments and their defaults (the policy / recall / model flags of scripts/_common.py).
 MODEL_ARGS = {
@@ -62,8 +62,22 @@ MODEL_ARGS = {
     "model": None, "dtype": "float32", "kernel": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }
-# What lm-eval's simple_evaluate passes every model (accepted; requests run one at a time).
+# What lm-eval passes every model (accepted; batch_size = the number of streams, see batch_slots).
 HARNESS_ARGS = ("batch_size", "max_batch_size", "device")
+
+
+def batch_slots(batch_size) -> int:
+    """lm-eval's batch_size as a number of streams: N (an integer, or its string) -> N; None or "auto" -> 1
+    (one request at a time: the simplest, no memory probing)."""
+    if batch_size is None or (isinstance(batch_size, str) and batch_size.strip().startswith("auto")):
+        return 1
+    try:
+        n = int(str(batch_size).strip())
+    except ValueError:
+        n = 0
+    if isinstance(batch_size, bool) or n < 1:
+        raise ConfigError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
+    return n
 
 
 def check_model_args(args: dict) -> dict:
@@ -74,6 +88,8 @@ def check_model_args(args: dict) -> dict:
     out = dict(MODEL_ARGS)
     for k, v in args.items():
         if k in HARNESS_ARGS:
+            if k == "batch_size":  # kept: the number of streams (batch_slots)
+                out[k] = v
             continue
         default = MODEL_ARGS[k]
         if isinstance(default, int) and not (isinstance(v, int) and not isinstance(v, bool)):
@@ -97,11 +113,12 @@ class RsqrLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "RsqrLM":
-        return cls.from_model_args(simple_parse_args_string(arg_string or ""))
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string or ""), additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "RsqrLM":
-        return cls.from_model_args(dict(arg_dict))
+        extra = {k: v for k, v in (additional_config or {}).items() if k == "batch_size" and v is not None}
+        return cls.from_model_args({**extra, **dict(arg_dict)})
 
     @classmethod
     def from_model_args(cls, args: str | dict, *, pieces=None) -> "RsqrLM":
@@ -109,6 +126,7 @@ class RsqrLM(TemplateLM):
         model_config, tokenizer) of a model already loaded (tests); else `model` (default: the embedded
         SmolLM2) is loaded."""
         a = check_model_args(simple_parse_args_string(args) if isinstance(args, str) else args)
+        slots = batch_slots(a.get("batch_size"))
         from rsqr_jax.policy import make_policy
 
         policy = make_policy(a["policy"], window=a["window"], n_sink=a["sinks"], delta=a["delta"],
@@ -133,14 +151,16 @@ class RsqrLM(TemplateLM):
             apply_fn, params = split_apply(loaded.model, kernel=a["kernel"])
             pieces = (apply_fn, params, loaded.config, loaded.tokenizer)
         apply_fn, params, cfg, tokenizer = pieces
+        kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  max_length=a["max_length"], chunk=a["chunk"], dtype=a["dtype"], cold_store=cold,
+                  gen_block=a["gen_block"], eos_ids=cfg.eos_token_ids, seed=a["seed"])
         try:
-            engine = SequentialEngine(apply_fn, params, policy, num_layers=cfg.num_layers,
-                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                      max_length=a["max_length"], chunk=a["chunk"], dtype=a["dtype"], cold_store=cold,
-                                      gen_block=a["gen_block"], eos_ids=cfg.eos_token_ids, seed=a["seed"])
+            engine = (StreamsEngine(apply_fn, params, policy, n_slots=slots, **kw) if slots > 1
+                      else SequentialEngine(apply_fn, params, policy, **kw))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return cls(engine, tokenizer, max_gen_toks=a["max_gen_toks"], description={**a, "policy_name": policy.name})
+        return cls(engine, tokenizer, max_gen_toks=a["max_gen_toks"],
+                   description={**a, "policy_name": policy.name, "streams": slots})
 
     # --- tokenization (as HFLM: the tokenizer's own special tokens; no BOS added twice) -----------------
     @property
@@ -175,22 +195,27 @@ class RsqrLM(TemplateLM):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        out = []
-        for (text,) in [r.args for r in requests]:
+        texts = [text for (text,) in [r.args for r in requests]]
+        windows, owner = [], []  # every document's windows in one engine call (streams run them concurrently)
+        for d, text in enumerate(texts):
             ids = self.tok_encode(text)
             if self.engine.bounded:  # the whole document through the bounded cache
-                windows = [([self.prefix_token_id], ids)]
+                doc = [([self.prefix_token_id], ids)]
             else:
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                doc = [make_disjoint_window(w) for w in get_rolling_token_windows(
                     token_list=ids, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)]
-            total = sum(lp for lp, _ in self.engine.score(windows))
+            windows += doc
+            owner += [d] * len(doc)
+        totals = [0.0] * len(texts)
+        for d, (lp, _) in zip(owner, self.engine.score(windows)):
+            totals[d] += lp
+        for text, total in zip(texts, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
-            out.append(total)
-        return out
+        return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        out = []
+        batch, stops = [], []  # every request in one engine call (streams run them concurrently)
         for context, gen_kwargs in [r.args for r in requests]:
             kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
@@ -203,7 +228,10 @@ class RsqrLM(TemplateLM):
                 text = self.tok_decode(ids)
                 return any(t and t in text for t in until)
 
-            [ids] = self.engine.generate([GenerateRequest(self.tok_encode(context), max_new, temperature, stop)])
+            batch.append(GenerateRequest(self.tok_encode(context), max_new, temperature, stop))
+            stops.append(until)
+        out = []
+        for (context, gen_kwargs), until, ids in zip([r.args for r in requests], stops, self.engine.generate(batch)):
             text = postprocess_generated_text(self.tok_decode(ids), until, None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)

@@ -16,7 +16,8 @@ test of the update and drops the branches that policy never takes (what a Sessio
 `vmap_policies` runs a policy batch [P] over a cache with a leading policy axis (weights shared).
 `vmap_streams` runs N independent streams (one policy) over a cache with a leading stream axis [N]: each
 stream has its own positions, length and rng; `feed_streams` / `generate_streams` (a scheduler over them:
-rsqr_jax.streams) take a per-stream n_valid / token budget, so streams join and leave without a recompile.
+rsqr_jax.streams) take a per-stream n_valid / token budget, so streams join and leave without a recompile;
+`score_streams` / `advance_streams` score each stream's own request (rsqr_jax.harness.StreamsEngine).
 rsqr_jax stays model-agnostic: the model comes in as `apply_fn(params, tokens_BxC, cache, plan)`.
 """
 
@@ -188,6 +189,21 @@ class Decoder:
                                  jnp.asarray(no if reset_N is None else reset_N, bool))
 
 
+    def score_streams(self, params, tokens_NxC, targets_NxC, cache: KVCache, policy: Policy | None, n_valid_N,
+                      reset_N):
+        """vmap_streams: append each stream's chunk (n_valid_N[i] real tokens; 0 = untouched) after resetting
+        the streams in reset_N, and score it: (log p of each target [N, C] (float32), whether each target is
+        the argmax [N, C], cache). Each stream scores its own request: joins and leaves are data."""
+        return _score_streams(self, params, jnp.asarray(tokens_NxC, jnp.int32), jnp.asarray(targets_NxC, jnp.int32),
+                              cache, policy, jnp.asarray(n_valid_N, jnp.int32), jnp.asarray(reset_N, bool))
+
+    def advance_streams(self, params, tokens_NxC, cache: KVCache, policy: Policy | None, n_valid_N, reset_N):
+        """score_streams without the scores (no vocabulary projection): the chunks before a request's first
+        scored token."""
+        return _advance_streams(self, params, jnp.asarray(tokens_NxC, jnp.int32), cache, policy,
+                                jnp.asarray(n_valid_N, jnp.int32), jnp.asarray(reset_N, bool))
+
+
 class StreamsGenerated(NamedTuple):
     """One block of `Decoder.generate_streams`: tokens_NxK (-1 where a stream emitted nothing), n_steps
     run, each stream's pending token and remaining budget (0 = stopped: budget spent or end-of-sequence)."""
@@ -271,6 +287,33 @@ def _feed_streams(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, re
     cache = _reset_streams(dec, cache, reset_N)
     nxt, cache, rng_N = _stream_step(dec, params, tokens_NxC, cache, policy, n_valid_N, rng_N, temperature, top_p)
     return nxt, dec._pin(cache)[0], rng_N
+
+
+def _stream_feed_body(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, reset_N):
+    """(logits [N, C, V], cache) of one chunk per stream (the streams in reset_N reset first)."""
+    if not dec.vmap_streams:
+        raise ValueError("score_streams / advance_streams need a vmap_streams Decoder")
+    cache = _reset_streams(dec, cache, reset_N)
+
+    def one(tokens_C, cache, n_valid):
+        logits, cache = step(dec.apply_fn, params, tokens_C[None], cache, dec._policy(policy), n_valid,
+                             **dec.spec.recall_args)
+        return logits[0], cache
+
+    return dec._map(one, None, (0, 0, 0))(tokens_NxC, cache, n_valid_N)
+
+
+@_jit(donate=4)
+def _score_streams(dec: Decoder, params, tokens_NxC, targets_NxC, cache, policy, n_valid_N, reset_N):
+    logits, cache = _stream_feed_body(dec, params, tokens_NxC, cache, policy, n_valid_N, reset_N)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, targets_NxC[..., None], axis=-1)[..., 0]
+    return picked, jnp.argmax(logp, axis=-1) == targets_NxC, dec._pin(cache)[0]
+
+
+@_jit(donate=3)
+def _advance_streams(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, reset_N):
+    return dec._pin(_stream_feed_body(dec, params, tokens_NxC, cache, policy, n_valid_N, reset_N)[1])[0]
 
 
 @_jit(donate=2)

@@ -17,6 +17,7 @@ A bounded policy streams the whole request however long it is (that is its point
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Protocol, Sequence
 
@@ -25,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax import policy as P
-from rsqr_jax.engine import Decoder
+from rsqr_jax.engine import Decoder, policy_values
 from rsqr_jax.policy import Policy
 from rsqr_jax.session import Session
 from rsqr_jax.spec import CacheSpec, validate
+from rsqr_jax.streams import Request, StreamScheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,45 @@ class RequestEngine(Protocol):
         """The generated ids of each request (without a final end-of-sequence id)."""
 
 
+def _setup(engine, apply_fn, params, policy: Policy, *, num_layers, num_kv_heads, head_dim, max_length, chunk, dtype,
+           cold_store) -> None:
+    """The settings both engines share: bounded, chunk (capped by a bounded window), max_length, spec."""
+    h = policy.host()
+    engine.bounded = h["mode"] != P.FULL
+    if chunk < 1 or max_length < 2:
+        raise ValueError(f"chunk must be >= 1 and max_length >= 2, got {chunk} and {max_length}")
+    engine.chunk = min(int(chunk), h["window"]) if engine.bounded else int(chunk)
+    engine.max_length = int(max_length)
+    engine.spec = CacheSpec.for_policies(policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                         dtype=dtype, max_chunk=engine.chunk, max_len=engine.max_length,
+                                         **(cold_store or {}))
+    validate(policy, engine.spec, chunk=engine.chunk)
+    engine.apply_fn, engine.params, engine.policy = apply_fn, params, policy
+
+
+def _score_inputs(engine, ctx, cont) -> tuple[np.ndarray, np.ndarray, int]:
+    """(input ids, target ids, first scored input position) of a scoring request; `full` keeps the last
+    max_length + 1 tokens (as HF-based harness backends do)."""
+    ctx, cont = list(ctx), list(cont)
+    if not ctx or not cont:
+        raise ValueError("a scoring request needs a non-empty context and continuation")
+    ids = ctx + cont
+    if not engine.bounded:
+        ids = ids[-(engine.max_length + 1):]
+    inputs = np.asarray(ids[:-1], np.int32)
+    return inputs, np.asarray(ids[1:], np.int32), len(inputs) - len(cont)
+
+
+def _generate_context(engine, req: GenerateRequest) -> list[int]:
+    """The context a generation request runs from (`full`: truncated to leave room for the new tokens)."""
+    ctx = list(req.context_ids)
+    if not ctx:
+        raise ValueError("a generation request needs a non-empty context")
+    if not engine.bounded:
+        ctx = ctx[-max(engine.max_length - req.max_new_tokens, 1):]
+    return ctx
+
+
 @jax.jit
 def _target_logprobs(logits_1xCxV, targets_1xC):
     """log p of each target token and whether it is the argmax (computed on device: logits stay there)."""
@@ -74,32 +115,15 @@ class SequentialEngine:
     def __init__(self, apply_fn: Callable, params, policy: Policy, *, num_layers: int, num_kv_heads: int,
                  head_dim: int, max_length: int = 2048, chunk: int = 32, dtype: str = "float32",
                  cold_store: dict | None = None, gen_block: int = 16, eos_ids: Sequence[int] = (), seed: int = 0):
-        h = policy.host()
-        self.bounded = h["mode"] != P.FULL
-        if chunk < 1 or max_length < 2:
-            raise ValueError(f"chunk must be >= 1 and max_length >= 2, got {chunk} and {max_length}")
-        self.chunk = min(int(chunk), h["window"]) if self.bounded else int(chunk)
-        self.max_length = int(max_length)
-        self.spec = CacheSpec.for_policies(policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                           dtype=dtype, max_chunk=self.chunk, max_len=self.max_length,
-                                           **(cold_store or {}))
-        validate(policy, self.spec, chunk=self.chunk)
-        self.apply_fn, self.params, self.policy = apply_fn, params, policy
+        _setup(self, apply_fn, params, policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               max_length=max_length, chunk=chunk, dtype=dtype, cold_store=cold_store)
         self.decoder = Decoder.for_policy(apply_fn, self.spec, policy, gen_block=gen_block)
         self.gen_block, self.eos_ids, self.seed = gen_block, tuple(int(e) for e in eos_ids), seed
 
     def score(self, requests):
-        return [self._score_one(list(ctx), list(cont)) for ctx, cont in requests]
+        return [self._score_one(*_score_inputs(self, ctx, cont)) for ctx, cont in requests]
 
-    def _score_one(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
-        if not ctx or not cont:
-            raise ValueError("a scoring request needs a non-empty context and continuation")
-        ids = ctx + cont
-        if not self.bounded:
-            ids = ids[-(self.max_length + 1):]
-        inputs = np.asarray(ids[:-1], np.int32)
-        targets = np.asarray(ids[1:], np.int32)
-        first = len(inputs) - len(cont)  # first input position whose next token is scored
+    def _score_one(self, inputs: np.ndarray, targets: np.ndarray, first: int) -> tuple[float, bool]:
         C, cache = self.chunk, self.decoder.init_cache()
         logp, greedy = [], []
         for s in range(0, len(inputs), C):
@@ -122,13 +146,9 @@ class SequentialEngine:
         return [self._generate_one(r) for r in requests]
 
     def _generate_one(self, req: GenerateRequest) -> list[int]:
-        ctx = list(req.context_ids)
-        if not ctx:
-            raise ValueError("a generation request needs a non-empty context")
+        ctx = _generate_context(self, req)
         if req.max_new_tokens < 1:
             return []
-        if not self.bounded:  # room for the generated tokens in the full cache
-            ctx = ctx[-max(self.max_length - req.max_new_tokens, 1):]
         session = Session(self.apply_fn, self.params, self.spec, self.policy, prefill_chunk=self.chunk,
                           temperature=req.temperature, seed=self.seed, eos_ids=self.eos_ids, gen_block=self.gen_block)
         # (its Decoder equals self.decoder: every request shares one compilation of each function)
@@ -139,3 +159,101 @@ class SequentialEngine:
             if session.pending is None or (req.stop is not None and req.stop(out)):
                 break
         return out[:-1] if out and out[-1] in self.eos_ids else out
+
+
+@dataclasses.dataclass
+class _ScoreSlot:
+    index: int  # the request's position in the list given to score
+    offset: int = 0  # inputs fed so far
+    logp: list = dataclasses.field(default_factory=list)
+    greedy: list = dataclasses.field(default_factory=list)
+
+
+class StreamsEngine:
+    """Requests on n_slots independent streams of one fixed policy (a `vmap_streams` Decoder).
+
+    score: every slot feeds its own request chunk by chunk (its own n_valid; the chunks before the first
+    scored token without the vocabulary projection, when no slot needs scores in that round); a request
+    that ends frees its slot for the next one (longest first), which is reset inside the next compiled
+    call. generate: a `StreamScheduler` over the same slots, each request's stop callback checked after
+    every block. Joins and leaves are data: one compilation of each function for the whole run. Each
+    request sees the chunks SequentialEngine feeds it, so the results are the same (up to float
+    reassociation under vmap).
+    """
+
+    def __init__(self, apply_fn: Callable, params, policy: Policy, *, n_slots: int, num_layers: int,
+                 num_kv_heads: int, head_dim: int, max_length: int = 2048, chunk: int = 32, dtype: str = "float32",
+                 cold_store: dict | None = None, gen_block: int = 16, eos_ids: Sequence[int] = (), seed: int = 0):
+        if isinstance(n_slots, bool) or not isinstance(n_slots, (int, np.integer)) or n_slots < 1:
+            raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
+        _setup(self, apply_fn, params, policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               max_length=max_length, chunk=chunk, dtype=dtype, cold_store=cold_store)
+        self.n_slots = int(n_slots)
+        self.decoder = Decoder(apply_fn, self.spec, fixed_policy=policy_values(policy), gen_block=gen_block,
+                               vmap_streams=True)
+        self.gen_block, self.eos_ids, self.seed = gen_block, tuple(int(e) for e in eos_ids), seed
+
+    def score(self, requests):
+        prepared = [_score_inputs(self, ctx, cont) for ctx, cont in requests]
+        queue = collections.deque(sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0])))
+        results: list = [None] * len(prepared)
+        N, C = self.n_slots, self.chunk
+        cache = self.decoder.init_cache(n_streams=N)
+        slots: list[_ScoreSlot | None] = [None] * N
+        fresh = np.zeros(N, bool)
+        while queue or any(s is not None for s in slots):
+            for i in range(N):
+                if slots[i] is None and queue:
+                    slots[i], fresh[i] = _ScoreSlot(queue.popleft()), True
+            tokens, targets = np.zeros((N, C), np.int32), np.zeros((N, C), np.int32)
+            n_valid = np.zeros(N, np.int32)
+            for i, s in enumerate(slots):
+                if s is not None:
+                    inputs, tgt, _ = prepared[s.index]
+                    n = n_valid[i] = min(C, len(inputs) - s.offset)
+                    tokens[i, :n], targets[i, :n] = inputs[s.offset:s.offset + n], tgt[s.offset:s.offset + n]
+            scored = [s is not None and s.offset + n_valid[i] > prepared[s.index][2] for i, s in enumerate(slots)]
+            if any(scored):
+                logp, hit, cache = self.decoder.score_streams(self.params, tokens, targets, cache, None, n_valid,
+                                                              fresh.copy())
+                logp, hit = np.asarray(logp), np.asarray(hit)
+            else:
+                cache = self.decoder.advance_streams(self.params, tokens, cache, None, n_valid, fresh.copy())
+            fresh[:] = False
+            for i, s in enumerate(slots):
+                if s is None:
+                    continue
+                inputs, _, first = prepared[s.index]
+                n = int(n_valid[i])
+                if scored[i]:
+                    lo = max(first - s.offset, 0)
+                    s.logp.append(logp[i, lo:n])
+                    s.greedy.append(hit[i, lo:n])
+                s.offset += n
+                if s.offset == len(inputs):
+                    results[s.index] = (float(np.concatenate(s.logp).astype(np.float64).sum()),
+                                        bool(np.concatenate(s.greedy).all()))
+                    slots[i] = None
+        return results
+
+    def generate(self, requests):
+        results: list = [None] * len(requests)
+        by_temperature: dict[float, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_temperature.setdefault(float(r.temperature), []).append(i)
+        for temperature, indices in by_temperature.items():
+            sched = StreamScheduler(self.apply_fn, self.params, self.spec, self.policy, n_slots=self.n_slots,
+                                    prefill_chunk=self.chunk, temperature=temperature, eos_ids=self.eos_ids,
+                                    gen_block=self.gen_block)
+            run = []
+            for i in indices:
+                r = requests[i]
+                ctx = _generate_context(self, r)
+                if r.max_new_tokens < 1:
+                    results[i] = []
+                else:
+                    run.append(i)
+                    sched.submit(Request(tuple(ctx), r.max_new_tokens, seed=self.seed, stop=r.stop))
+            for i, f in zip(run, sched.run()):
+                results[i] = f.tokens[:-1] if f.stop == "eos" else f.tokens
+        return results

@@ -13,8 +13,13 @@ the requests.
 
 A stream sees the computation a lone `Session` with the same settings runs (same chunks, a 1-token
 step for a 1-token remainder, the same rng splits; vmapped, so equal up to float reassociation), so greedy outputs equal the
-single-prompt ones. Scheduling is prefill-first: a round with prompts to prefill runs only the prefill
-(generating streams wait one chunk); otherwise one generation block runs for every generating stream.
+single-prompt ones. Scheduling: prefill-first by default (a round with prompts to prefill runs only the
+prefill: generating streams wait for a joining prompt's whole prefill, but every block then serves the
+most streams). `interleave=True` runs, in a round where prompts prefill while others generate, one prefill
+chunk and then one generation block (two compiled calls, each leaving the other streams untouched): a
+joining prompt delays the others by one chunk per block instead of stalling them (3-4.5x shorter longest
+stall on SmolLM2, CPU), at the price of blocks that serve fewer streams (23-29% fewer tokens/s there;
+docs/streams.md, "Join stall"). The tokens are the same either way.
 
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=16, prefill_chunk=64, eos_ids=eos)
     results = sched.run([Request(ids, max_new_tokens=64) for ids in prompts])   # in request order
@@ -40,17 +45,20 @@ from rsqr_jax.spec import CacheSpec, validate
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """A prompt (token ids) to continue by up to max_new_tokens tokens; seed: the stream's rng key."""
+    """A prompt (token ids) to continue by up to max_new_tokens tokens; seed: the stream's rng key.
+    stop(emitted_ids) -> True ends the request early (checked after each generation block, so the tokens
+    of the rest of that block are kept: the caller trims them)."""
 
     ids: tuple[int, ...]
     max_new_tokens: int
     seed: int = 0
+    stop: Callable[[list[int]], bool] | None = None
 
 
 @dataclasses.dataclass
 class Finished:
     """A request's result: the emitted tokens (an end-of-sequence token included, as Session emits it),
-    why it stopped ("eos" or "length"), and the round it finished in."""
+    why it stopped ("eos", "length" or "stop": the request's stop callback), and the round it finished in."""
 
     index: int
     tokens: list[int]
@@ -75,7 +83,8 @@ class StreamScheduler:
 
     def __init__(self, apply_fn: Callable, params, spec: CacheSpec, policy: Policy, *, n_slots: int,
                  prefill_chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 eos_ids: Iterable[int] = (), gen_block: int = 16, vocab_size: int | None = None):
+                 eos_ids: Iterable[int] = (), gen_block: int = 16, vocab_size: int | None = None,
+                 interleave: bool = False):
         if isinstance(n_slots, bool) or not isinstance(n_slots, (int, np.integer)) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
@@ -87,7 +96,7 @@ class StreamScheduler:
         self.prefill_chunk = min(int(prefill_chunk), spec.max_chunk)  # as Session does
         validate(policy, spec, chunk=self.prefill_chunk)
         self.params, self.spec, self.policy = params, spec, policy
-        self.n_slots = int(n_slots)
+        self.n_slots, self.interleave = int(n_slots), bool(interleave)
         self.decoder = Decoder(apply_fn, spec, fixed_policy=policy_values(policy), gen_block=gen_block,
                                vmap_streams=True)
         self.temperature, self.top_p = float(temperature), float(top_p)
@@ -211,20 +220,24 @@ class StreamScheduler:
             s.out.extend(emitted)
             self.n_generated += len(emitted)
             s.pending, s.budget, s.feed_only = int(nxt[i]), int(left[i]), False
-            if s.budget <= 0:
-                stop = "eos" if s.out and s.out[-1] in self.eos_ids else "length"
+            stopped = s.budget > 0 and s.request.stop is not None and s.request.stop(s.out)
+            if s.budget <= 0 or stopped:
+                stop = "stop" if stopped else "eos" if s.out and s.out[-1] in self.eos_ids else "length"
                 done.append(Finished(s.index, s.out, stop, len(s.request.ids), self.rounds))
                 self.slots[i] = None  # the slot is free; its cache is reset when the next stream joins
         return done
 
     def step(self) -> list[Finished]:
         """One round: admit queued requests into free slots, then one prefill chunk (if any prompt is still
-        prefilling) or one generation block. Returns the requests that finished in it."""
+        prefilling) and/or one generation block (both when interleaving and both are waiting; a stream that
+        finished its prefill in this round's chunk already generates in its block). Returns the requests
+        that finished in it."""
         self._admit()
         self.rounds += 1
         if any(s is not None and s.todo.size > 1 for s in self.slots):
             self._prefill_round()
-            return []
+            if not self.interleave:
+                return []
         if any(s is not None and s.budget > 0 for s in self.slots):
             return self._generate_round()
         return []

@@ -4,6 +4,8 @@
     python scripts/bench_streams.py                              # rsqr, 128-token prompts, 64 new tokens each
     python scripts/bench_streams.py --streams 1 4 16 32 --policy streamingllm
     python scripts/bench_streams.py --quick                      # tiny sanity run (1 and 4 streams)
+    python scripts/bench_streams.py --join 512 --streams 2 4 8   # a 512-token prompt joins generating streams:
+                                                                 # prefill-first vs interleaved, longest stall
 
 Prints a table (the ratio of each row to 1 stream); writes DIR/bench_streams.json and bench_streams.md
 (--out DIR, '' = nothing); --json prints the JSON on stdout. The loop: rsqr_jax/experiments/bench_streams.py.
@@ -25,6 +27,8 @@ def build_parser() -> Parser:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per row (the best is reported)")
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--gen-block", type=int, default=16, help="generation steps per compiled block")
+    p.add_argument("--join", type=int, default=0, metavar="TOKENS",
+                   help="the join-stall mode: a prompt of TOKENS tokens joins the other streams while they generate")
     p.add_argument("--quick", action="store_true", help="tiny run: 1 and 4 streams, 16-token prompts, 8 new tokens")
     p.add_argument("--text", default=str(DEFAULT_TEXT))
     p.add_argument("--out", default="runs/bench_streams", help="output directory ('' = write nothing)")
@@ -44,7 +48,7 @@ def main() -> int:
                                   new=args.new, repeats=args.repeats, prefill_chunk=args.prefill_chunk,
                                   policy=args.policy, window=args.window, sinks=args.sinks, delta=args.delta,
                                   max_survivors=args.max_survivors, block=args.block, overflow=args.overflow,
-                                  dtype=args.dtype, gen_block=args.gen_block)
+                                  dtype=args.dtype, gen_block=args.gen_block, join_len=args.join)
     config = config.quick() if args.quick else config
     config.check()  # before the model loads
     loaded, apply_fn, params = load_model_from_args(args)

@@ -30,7 +30,8 @@ def build_parser() -> Parser:
     g.add_argument("--num_fewshot", type=int, default=None)
     g.add_argument("--output_path", default=None, help="write results (and --log_samples samples) here")
     g.add_argument("--log_samples", action="store_true", help="keep every request's inputs and outputs")
-    g.add_argument("--batch_size", default="1", help="accepted for lm-eval compatibility; requests run one at a time")
+    g.add_argument("--batch_size", default="1", help="N > 1: N independent streams (requests run concurrently, "
+                                                     "rsqr_jax.harness.StreamsEngine); 1 or auto: one at a time")
     g.add_argument("--seed", type=int, default=0, help="lm-eval's random seeds and the sampler's")
     g.add_argument("--gen_kwargs", default=None, help="generation arguments for every task, key=value,...")
     g.add_argument("--metadata", default=None, help="JSON object handed to the tasks (RULER: tokenizer, "
@@ -54,7 +55,7 @@ def model_args_from(args) -> dict:
          "max_survivors": args.max_survivors, "block": args.block, "overflow": args.overflow,
          "recall_pages": args.recall_pages, "cold_capacity": args.cold_capacity, "page_size": args.page_size,
          "page_score": args.page_score, "model": args.model, "dtype": args.dtype, "kernel": args.kernel,
-         "chunk": args.chunk, "max_length": args.max_length, "seed": args.seed}
+         "chunk": args.chunk, "max_length": args.max_length, "seed": args.seed, "batch_size": args.batch_size}
     try:
         extra = simple_parse_args_string(args.model_args)
     except ValueError as e:
@@ -109,7 +110,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, default=handle_non_serializable, ensure_ascii=False))
         return 0
-    print(f"rsqr_jax ({lm.description['policy_name']}), limit: {args.limit}, num_fewshot: {args.num_fewshot}")
+    print(f"rsqr_jax ({lm.description['policy_name']}), limit: {args.limit}, num_fewshot: {args.num_fewshot}, "
+          f"streams: {lm.description['streams']}")
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))

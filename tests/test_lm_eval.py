@@ -2,7 +2,7 @@
 (tests/data/lm_eval_task: multiple choice, generation, rolling perplexity), offline.
 
 With policy=full every loglikelihood equals lm-eval's own `hf` backend on transformers' loading of the same
-GGUF (to 1e-3) and the greedy generations are the same; bounded policies (rsqr, rsqr + recall) run the same
+GGUF (to 1e-3) and the greedy generations are the same, one request at a time and on 4 streams (batch_size 4); bounded policies (rsqr, rsqr + recall) run the same
 requests with a window the contexts overflow; bad input gives one-line errors."""
 
 from __future__ import annotations
@@ -87,9 +87,16 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
     greedy = [str(c[0][1]) for k in sorted(ours) if k[0] == "rsqr_facts" for c in ours[k]]  # logs hold "True"
     assert greedy == [str(c[0][1]) for k in sorted(theirs) if k[0] == "rsqr_facts" for c in theirs[k]]
 
-    # Bounded policies on the same multiple-choice requests: contexts of ~90 tokens through a 16-token window.
     apply_fn, params = split_apply(loaded.model, kernel="xla")
     pieces = (apply_fn, params, loaded.config, loaded.tokenizer)
+    # The same with --batch_size 4: the requests on 4 independent streams (StreamsEngine), in process.
+    streams = _responses(_evaluate(RsqrLM.from_model_args("policy=full,batch_size=4", pieces=pieces))["samples"])
+    for task in ("rsqr_facts", "rsqr_rolling"):
+        np.testing.assert_allclose(_lls(streams, task), _lls(theirs, task), atol=1e-3, rtol=0, err_msg=task)
+    assert [streams[k] for k in sorted(streams) if k[0] == "rsqr_gen"] == [theirs[k] for k in sorted(theirs)
+                                                                           if k[0] == "rsqr_gen"]
+
+    # Bounded policies on the same multiple-choice requests: contexts of ~90 tokens through a 16-token window.
     full = _lls(ours, "rsqr_facts")
     for args in ("policy=rsqr,window=16,sinks=4,delta=4,max_survivors=8,chunk=16",
                  "policy=rsqr,window=16,sinks=4,delta=4,max_survivors=8,chunk=16,recall_pages=2,page_size=8,"
@@ -113,6 +120,8 @@ def test_bad_input_one_line_errors():
         RsqrLM.from_model_args("policy=rsqr,windw=64")
     with pytest.raises(ConfigError, match="window must be an integer"):
         RsqrLM.from_model_args("policy=rsqr,window=big")
+    with pytest.raises(ConfigError, match="batch_size must be a positive integer or 'auto', got 'many'"):
+        RsqrLM.from_model_args("policy=rsqr,batch_size=many")
 
 
 def test_sequential_engine_scores_equal_stream_nll_on_a_tiny_model():
