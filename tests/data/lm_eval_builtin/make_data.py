@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Writes this directory's data for lm-eval's own `lambada_openai` and `wikitext` tasks, from text that
-exists on any Debian machine (/usr/share/common-licenses), in those tasks' schemas: lambada.json rows
-{"text": a passage whose last word is the target}, wikitext.json splits of {"page": a whole document}.
+"""Data for lm-eval's own `lambada_openai` and `wikitext` tasks, from text that exists on any Debian machine
+(/usr/share/common-licenses), in those tasks' schemas: lambada rows {"text": a passage whose last word is the
+target}, wikitext splits of {"page": a whole document}. utils.py builds it at load time (deterministic,
+seed 15); nothing is shipped.
 
-    python tests/data/lm_eval_builtin/make_data.py      # deterministic (seed 15); rewrites the JSON files
+    python tests/data/lm_eval_builtin/make_data.py OUT_DIR   # writes lambada.json and wikitext.json to look at
 
 lambada passages are 250-1400 words (~350-1900 SmolLM2 tokens, so a 128-token window evicts most of
 each), cut at a sentence end, the final punctuation removed so the last word is what is predicted."""
@@ -54,9 +55,12 @@ def documents() -> dict[str, list[dict]]:
 
 
 def main() -> None:
-    with open(os.path.join(HERE, "lambada.json"), "w") as f:
+    import sys
+
+    out = sys.argv[1] if len(sys.argv) > 1 else "."
+    with open(os.path.join(out, "lambada.json"), "w") as f:
         json.dump({"test": passages()}, f, indent=0, ensure_ascii=False)
-    with open(os.path.join(HERE, "wikitext.json"), "w") as f:
+    with open(os.path.join(out, "wikitext.json"), "w") as f:
         json.dump(documents(), f, indent=0, ensure_ascii=False)
 
 

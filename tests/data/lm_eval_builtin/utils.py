@@ -1,23 +1,31 @@
-"""Loads this directory's JSON data (make_data.py) as a datasets.DatasetDict: the data source that
-builtin.yaml gives lm-eval's own lambada_openai and wikitext tasks instead of the hub (offline, any cwd)."""
+"""The data source that builtin.yaml gives lm-eval's own lambada_openai and wikitext tasks instead of the
+hub (offline, any cwd): a datasets.DatasetDict built at load time by make_data.py from the licence texts
+in /usr/share/common-licenses (deterministic, seed 15). Built, not shipped: those texts may be copied only
+verbatim, and the passages are cut from them."""
 
-import json
+import importlib.util
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load(name: str):
+def _dataset(splits: dict):
     import datasets
 
-    with open(os.path.join(HERE, name)) as f:
-        splits = json.load(f)
     return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()})
 
 
+def _make_data():
+    """make_data.py, loaded by path (lm-eval imports this file by path, so it is not a package)."""
+    spec = importlib.util.spec_from_file_location("lm_eval_builtin_make_data", os.path.join(HERE, "make_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_lambada(**_):
-    return _load("lambada.json")
+    return _dataset({"test": _make_data().passages()})
 
 
 def load_wikitext(**_):
-    return _load("wikitext.json")
+    return _dataset(_make_data().documents())
