@@ -382,16 +382,19 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
-    cfg = B.BenchRecallConfig(str(text), (0, 32, 64), recall_pages=2, page_size=4, window=8, n_sink=2, delta=3,
-                              max_survivors=3, prompt_tokens=40, new_tokens=3, rounds=2)
+    cfg = B.BenchRecallConfig(str(text), (0, 32), recall_pages=2, page_size=4, window=8, n_sink=2, delta=3,
+                              max_survivors=3, prompt_tokens=40, new_tokens=3, rounds=2, page_scores=("mean", "max"))
     res = B.run(cfg, *_model(0), CFG, ByteTokenizer(CFG.vocab_size))
     rows = res["rows"]
-    assert [r["cold_capacity"] for r in rows] == [0, 32, 64] and rows[0]["ratio"] == 1.0
-    assert rows[0]["cold_store_MiB"] == 0 < rows[1]["cold_store_MiB"] < rows[2]["cold_store_MiB"]
+    assert [(r["cold_capacity"], r["page_score"]) for r in rows] == [(0, None), (32, "mean"), (32, "max")]
+    assert rows[0]["ratio"] == 1.0
+    assert rows[0]["cold_store_MiB"] == 0 < rows[1]["cold_store_MiB"] < rows[2]["cold_store_MiB"]  # + scoring copy
     assert all(len(r["ms_rounds"]) == 2 and r["ms_per_token"] > 0 for r in rows)
     assert rows[1]["device_cache_MiB"] == rows[0]["device_cache_MiB"]  # recall adds no device-cache slots
     B.write(res, tmp_path / "out")
-    assert "| 64 | 2 |" in (tmp_path / "out" / "bench_recall.md").read_text()
+    assert "| 32 | 2 | max |" in (tmp_path / "out" / "bench_recall.md").read_text()
+    with pytest.raises(B.ConfigError, match="page-scores"):
+        B.BenchRecallConfig(str(text), (0, 32), page_size=4, page_scores=("best",))
     with pytest.raises(B.ConfigError, match="multiples of --page-size"):
         B.BenchRecallConfig(str(text), (0, 30), page_size=4)
 

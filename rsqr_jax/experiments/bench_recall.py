@@ -25,12 +25,17 @@ class BenchRecallConfig:
     prompt_tokens: int = 512
     new_tokens: int = 64
     rounds: int = 3
+    page_scores: tuple[str, ...] = ("mean",)  # every recalling size runs under each rule (spec.PAGE_SCORES)
 
     def __post_init__(self):
         if not self.cold_sizes or any(c < 0 or c % self.page_size for c in self.cold_sizes):
             raise ConfigError(f"--cold-sizes must be multiples of --page-size {self.page_size} (0 = no recall)")
         if self.rounds < 1 or self.new_tokens < 1 or self.prompt_tokens < 2:
             raise ConfigError("--rounds, --new-tokens must be >= 1 and --prompt-tokens >= 2")
+        from rsqr_jax.spec import PAGE_SCORES
+
+        if not self.page_scores or any(r not in PAGE_SCORES for r in self.page_scores):
+            raise ConfigError(f"--page-scores must be a list of {', '.join(PAGE_SCORES)}, got {self.page_scores}")
 
 
 def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> dict:
@@ -41,41 +46,43 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
     prompt = read_tokens(tokenizer, cfg.text, cfg.prompt_tokens)
     dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                 head_dim=model_config.head_dim, max_chunk=min(64, cfg.window))
-    sessions = {}
+    sessions = {}  # (cold size, page rule or None) -> (session, bytes by part)
     for size in cfg.cold_sizes:
-        k = cfg.recall_pages if size else 0
-        pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
-        cold = dict(cold_capacity=size, page_size=cfg.page_size) if size else {}
-        spec = CacheSpec.for_policies(pol, **cold, **dims)
-        s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
-        s.warmup()
-        s.feed(prompt)
-        sessions[size] = (s, spec.bytes_by_part(pol))
-        status(f"bench_recall: cold {size}: compiled in {s.compile_s:.1f}s")
-    times = {size: [] for size in cfg.cold_sizes}
+        for rule in (cfg.page_scores if size else (None,)):
+            k = cfg.recall_pages if size else 0
+            pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
+            cold = dict(cold_capacity=size, page_size=cfg.page_size, page_score=rule) if size else {}
+            spec = CacheSpec.for_policies(pol, **cold, **dims)
+            s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
+            s.warmup()
+            s.feed(prompt)
+            sessions[size, rule] = (s, spec.bytes_by_part(pol))
+            status(f"bench_recall: cold {size} ({rule or 'no recall'}): compiled in {s.compile_s:.1f}s")
+    times = {key: [] for key in sessions}
     for r in range(cfg.rounds):
-        for size, (s, _) in sessions.items():
+        for key, (s, _) in sessions.items():
             t0 = time.perf_counter()
             s.generate(cfg.new_tokens)
-            times[size].append((time.perf_counter() - t0) / cfg.new_tokens)
+            times[key].append((time.perf_counter() - t0) / cfg.new_tokens)
         status(f"bench_recall: round {r + 1}/{cfg.rounds}")
-    base = float(np.median(times[cfg.cold_sizes[0]]))
+    base = float(np.median(times[next(iter(sessions))]))
     rows = []
-    for size, (s, parts) in sessions.items():
-        ms = 1000 * float(np.median(times[size]))
-        rows.append({"cold_capacity": size, "recall_pages": cfg.recall_pages if size else 0, "ms_per_token": ms,
-                     "ms_rounds": [1000 * t for t in times[size]], "ratio": ms / (1000 * base),
-                     "cold_store_MiB": parts["cold_store"] / 2**20, "device_cache_MiB":
-                     (parts["total"] - parts["cold_store"]) / 2**20})
+    for (size, rule), (s, parts) in sessions.items():
+        ms = 1000 * float(np.median(times[size, rule]))
+        rows.append({"cold_capacity": size, "page_score": rule, "recall_pages": cfg.recall_pages if size else 0,
+                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule]],
+                     "ratio": ms / (1000 * base), "cold_store_MiB": parts["cold_store"] / 2**20,
+                     "device_cache_MiB": (parts["total"] - parts["cold_store"]) / 2**20})
     return {"config": dataclasses.asdict(cfg), "rows": rows}
 
 
 def markdown(result: dict) -> str:
-    out = ["| cold store (tokens) | recall pages | ms/token (median) | ratio to the first row | cold store MiB | "
-           "window + survivors MiB |", "|---|---|---|---|---|---|"]
+    out = ["| cold store (tokens) | recall pages | page score | ms/token (median) | ratio to the first row | "
+           "cold store MiB | window + survivors MiB |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        out.append(f"| {r['cold_capacity']} | {r['recall_pages']} | {r['ms_per_token']:.1f} | {r['ratio']:.2f} | "
-                   f"{r['cold_store_MiB']:.0f} | {r['device_cache_MiB']:.1f} |")
+        out.append(f"| {r['cold_capacity']} | {r['recall_pages']} | {r.get('page_score') or '-'} | "
+                   f"{r['ms_per_token']:.1f} | {r['ratio']:.2f} | {r['cold_store_MiB']:.0f} | "
+                   f"{r['device_cache_MiB']:.1f} |")
     return "\n".join(out) + "\n"
 
 
