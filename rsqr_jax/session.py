@@ -212,6 +212,10 @@ class Session:
             raise SessionFileError(f"{name} has policy {saved_policy.name}, expected {policy.name}")
         expected = jax.eval_shape(lambda: init_cache(saved_spec))
         cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}
+        for f in dataclasses.fields(KVCache):  # a file from before an unused (empty) field existed still loads
+            e = getattr(expected, f.name)
+            if f"cache.{f.name}" not in arrays and not math.prod(e.shape):
+                arrays[f"cache.{f.name}"] = np.zeros(e.shape, e.dtype)
         if set(arrays) != cache_names | {"rng"}:
             raise SessionFileError(f"{name} holds arrays {sorted(arrays)}, expected {sorted(cache_names | {'rng'})}")
         for f in dataclasses.fields(KVCache):
