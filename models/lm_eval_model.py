@@ -58,7 +58,7 @@ from rsqr_jax.harness import GenerateRequest, RequestEngine, SequentialEngine, S
 # Model arguments and their defaults (the policy / recall / model flags of scripts/_common.py).
 MODEL_ARGS = {
     "policy": "rsqr", "window": 256, "sinks": 4, "delta": 8, "max_survivors": 64, "block": 1, "overflow": "fifo",
-    "recall_pages": 0, "cold_capacity": 4096, "page_size": 16, "page_score": "mean",
+    "recall_pages": 0, "cold_capacity": 4096, "page_size": 16, "page_score": "mean", "recall_neighbors": 0,
     "model": None, "dtype": "float32", "kernel": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }
@@ -134,11 +134,13 @@ class RsqrLM(TemplateLM):
                              recall_pages=a["recall_pages"])
         cold = {}
         if a["recall_pages"]:
-            if a["page_size"] < 1 or a["cold_capacity"] < a["page_size"] or a["cold_capacity"] % a["page_size"]:
-                raise ConfigError(f"cold_capacity {a['cold_capacity']} must be a positive multiple of page_size "
-                                  f"{a['page_size']}")
-            cold = {"cold_capacity": a["cold_capacity"], "page_size": a["page_size"],
-                    "max_recall_pages": a["recall_pages"], "page_score": a["page_score"]}
+            from rsqr_jax.spec import ColdStore
+
+            try:
+                store = ColdStore(a["cold_capacity"], a["page_size"], a["page_score"], a["recall_neighbors"])
+            except ValueError as e:
+                raise ConfigError(f"recall model arguments: {e}") from None
+            cold = {**store.spec_kwargs(), "max_recall_pages": a["recall_pages"]}
         for k in ("chunk", "gen_block", "max_gen_toks"):
             if a[k] < 1:
                 raise ConfigError(f"model argument {k} must be >= 1, got {a[k]}")
