@@ -54,11 +54,12 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string  # noqa: E402
 
 from rsqr_jax.harness import GenerateRequest, RequestEngine, SequentialEngine, StreamsEngine  # noqa: E402
+from rsqr_jax.spec import DEFAULT_PAGE_SCORE  # noqa: E402
 
 # Model arguments and their defaults (the policy / recall / model flags of scripts/_common.py).
 MODEL_ARGS = {
     "policy": "rsqr", "window": 256, "sinks": 4, "delta": 8, "max_survivors": 64, "block": 1, "overflow": "fifo",
-    "recall_pages": 0, "cold_capacity": 4096, "page_size": 16, "page_score": "mean", "recall_neighbors": 0,
+    "recall_pages": 0, "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
     "model": None, "dtype": "float32", "kernel": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }

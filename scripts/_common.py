@@ -48,9 +48,9 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int = 0, what:
     g.add_argument("--cold-capacity", type=int, default=4096,
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
-    g.add_argument("--page-score", default="mean", help="how pages are ranked: mean (the query against the page's "
-                   "mean key), quest (Quest's per-channel bound) or max (the page's best token, exact: a float32 "
-                   "scoring copy of every cold key, the whole store scored each step)")
+    g.add_argument("--page-score", default=None, help="how pages are ranked: max (the default: the page's best "
+                   "token, exact; a float32 scoring copy of every cold key, the whole store scored each step), mean "
+                   "(the query against the page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
     g.add_argument("--recall-neighbors", type=int, default=0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
 
@@ -76,7 +76,8 @@ def cold_store_flags(args):
     from rsqr_jax.spec import ColdStore
 
     try:
-        return ColdStore(args.cold_capacity, args.page_size, args.page_score, args.recall_neighbors)
+        rule = {"page_score": args.page_score} if args.page_score else {}  # else ColdStore's default
+        return ColdStore(args.cold_capacity, args.page_size, neighbors=args.recall_neighbors, **rule)
     except ValueError as e:
         raise UsageError(f"recall flags: {e}") from None
 

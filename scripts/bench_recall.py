@@ -19,7 +19,8 @@ def main() -> int:
     p.add_argument("--cold-sizes", default="0,4096,16384,65536", help="cold-store capacities (0 = plain rsqr)")
     p.add_argument("--recall-pages", type=int, default=4)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--page-scores", default="mean", help="page rules to compare at every cold size, e.g. mean,max")
+    p.add_argument("--page-scores", default=None, help="page rules to compare at every cold size, e.g. mean,max "
+                   "(default: the default rule)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="cold stores 0 and 256, 8 tokens, 1 round")
@@ -36,7 +37,7 @@ def main() -> int:
     if args.quick:
         sizes, args.new_tokens, args.rounds = (0, 256), 8, 1
     cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size,
-                              page_scores=tuple(args.page_scores.split(",")), new_tokens=args.new_tokens, rounds=args.rounds)
+                              **({"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}), new_tokens=args.new_tokens, rounds=args.rounds)
     loaded, apply_fn, params = load_model_from_args(args)
     result = B.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:

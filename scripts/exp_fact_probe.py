@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
-from _common import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load_model_from_args, run_main
+from _common import (DEFAULT_TEXT, Parser, add_model_args, check_model_args, cold_store_flags, load_model_from_args,
+                     run_main)
 
 
 def main() -> int:
     from rsqr_jax.experiments import fact_probe as F
-    from rsqr_jax.spec import ColdStore
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text (default: Frankenstein)")
@@ -23,7 +23,7 @@ def main() -> int:
     p.add_argument("--recall-pages", type=int, default=4)
     p.add_argument("--cold-capacity", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--page-score", default="mean", help="mean, quest or max")
+    p.add_argument("--page-score", default=None, help="max (the default), mean or quest")
     p.add_argument("--recall-neighbors", type=int, default=0, help="pages on each side recalled with a chosen page")
     p.add_argument("--lead-max", type=int, default=0,
                    help="0..N random filler tokens before the fact (mid-stream, any page alignment)")
@@ -35,10 +35,7 @@ def main() -> int:
     add_model_args(p)
     args = p.parse_args()
     check_model_args(args)
-    try:
-        cold = ColdStore(args.cold_capacity, args.page_size, args.page_score, args.recall_neighbors)
-    except ValueError as e:
-        raise F.ConfigError(str(e)) from None
+    cold = cold_store_flags(args)
     cfg = F.FactConfig(args.filler, trials=2 if args.quick else args.trials,
                        n_filler=300 if args.quick else args.filler_tokens, arms=tuple(args.arms.split(",")),
                        recall_pages=args.recall_pages, cold=cold, lead_max=args.lead_max, seed=args.seed)

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from rsqr_jax.experiments.common import ConfigError, read_tokens, status, write_json_atomic
+from rsqr_jax.spec import DEFAULT_PAGE_SCORE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,7 @@ class BenchRecallConfig:
     prompt_tokens: int = 512
     new_tokens: int = 64
     rounds: int = 3
-    page_scores: tuple[str, ...] = ("mean",)  # every recalling size runs under each rule (spec.PAGE_SCORES)
+    page_scores: tuple[str, ...] = (DEFAULT_PAGE_SCORE,)  # every recalling size runs under each rule (spec.PAGE_SCORES)
 
     def __post_init__(self):
         if not self.cold_sizes or any(c < 0 or c % self.page_size for c in self.cold_sizes):
