@@ -166,6 +166,28 @@ def test_query_layout_shows_the_off_by_one_emptying_the_window():
     assert R.query_layout("B_uncorrected_clean", t)["duplicated_kv"] == 0
 
 
+def test_resume_keeps_only_finished_cells(tmp_path):
+    """A resumed run reuses a cell only when every trial of it is on disk with the same seeds and trial
+    counts; a cell cut short by a kill, or run with other counts, is dropped and rerun."""
+    rng = np.random.default_rng(5)
+    print("seed 5")
+    rec = lambda part, arm, c, s, i, **kw: {"part": part, "arm": arm, "n_cycles": c, "seed": s, "trial": i,  # noqa: E731
+                                            "correct": bool(rng.integers(2)), "logp": float(-rng.random()), **kw}
+    records = [rec("p2", "B_corrected", 4, s, i) for s in (0, 1) for i in range(3)]  # complete
+    records += [rec("p2", "full", 4, s, i) for s in (0, 1) for i in range(3) if (s, i) != (1, 2)]  # one trial missing
+    records += [rec("p1", "A_replay", 2, s, i) for s in (0, 1) for i in range(2)]  # other trial count
+    records += [rec("factorial", "leave_gaps", 4, 0, i, cell="filler=salad") for i in range(4)]  # complete
+    tok = {"filler_words_single_token": True, "space_digit_is_space_then_digit": True, "query_base_tokens_by_name": {}}
+    R.ReproResult({}, tok, records, [], {"p2/4/replicas": 1.0}, False).write(tmp_path)
+    cfg = R.ReproConfig(seeds=(0, 1), p1_trials_per_seed=3, p2_trials_per_seed=3, factorial_trials=4)
+    kept, timings = R.finished_records(tmp_path / "reproduce.json", cfg)
+    assert {(r["part"], r["arm"]) for r in kept} == {("p2", "B_corrected"), ("factorial", "leave_gaps")}
+    assert len(kept) == 10 and timings == {"p2/4/replicas": 1.0}
+    assert R.finished_records(tmp_path / "missing.json", cfg) == ([], {})
+    with pytest.raises(R.ConfigError, match="factor=level"):
+        R.ReproConfig(factorial_only=("prefix=p3",)).validate()
+
+
 @pytest.mark.slow
 def test_quick_cli_runs_every_part(tmp_path):
     """`exp_reproduce.py --quick` (CI): a tiny random model over the SmolLM2 tokenizer through every part;

@@ -244,6 +244,11 @@ class ReproConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive integers")
         if not self.seeds:
             raise ConfigError("at least one seed")
+        for pair in self.factorial_only:
+            factor, _, level = pair.partition("=")
+            if level not in FACTORS.get(factor, ()):
+                raise ConfigError(f"factorial cell filter {pair!r}: expected factor=level with "
+                                  + "; ".join(f"{f} in {'/'.join(v)}" for f, v in FACTORS.items()))
         return self
 
 
@@ -689,17 +694,44 @@ def load_result(path) -> ReproResult:
         raise ConfigError(f"cannot read {path}: {e}") from None
 
 
+def finished_records(path, cfg: ReproConfig) -> tuple[list[dict], dict]:
+    """The records (and timings) of an earlier run in `path` whose cells are complete for `cfg` (every
+    trial of the cell present, with the same seeds and trial counts): a resumed run skips those cells and
+    reruns the rest. Records of an unfinished cell are dropped."""
+    if not Path(path).exists():
+        return [], {}
+    old = load_result(path)
+    expected = {"p1": {(s, i) for s in cfg.seeds for i in range(cfg.p1_trials_per_seed)},
+                "p2": {(s, i) for s in cfg.seeds for i in range(cfg.p2_trials_per_seed)},
+                "factorial": {(0, i) for i in range(cfg.factorial_trials)}}
+    groups: dict[tuple, list[dict]] = {}
+    for r in old.records:
+        groups.setdefault((r["part"], r.get("cell", ""), r["arm"], r["n_cycles"]), []).append(r)
+    kept = [r for (part, *_), recs in groups.items()
+            if {(r["seed"], r["trial"]) for r in recs} == expected[part] and len(recs) == len(expected[part])
+            for r in recs]
+    return kept, dict(old.timings)
+
+
+def _done(records: list[dict], part: str, arm: str, n_cycles: int, cell: str = "") -> bool:
+    return any(r["part"] == part and r["arm"] == arm and r["n_cycles"] == n_cycles and r.get("cell", "") == cell
+               for r in records)
+
+
 def run(cfg: ReproConfig, model: ReproModel, out_dir, *, filler_path: str | None = None,
-        show_progress: bool = True) -> ReproResult:
-    """Run the configured parts; writes OUT/reproduce.json (and .md) after every finished cell."""
+        show_progress: bool = True, resume: bool = False) -> ReproResult:
+    """Run the configured parts; writes OUT/reproduce.json (and .md) after every finished arm group and
+    factorial cell, so a run killed midway keeps what it finished; `resume` reuses the finished cells of
+    OUT/reproduce.json and runs only the missing ones."""
     cfg = cfg.validate()
     enc = _enc(model.tokenizer)
     tok = check_tokenisation(enc)
     sinks = chat_sinks(model.tokenizer)
     tok["p2_sink_tokens"] = len(sinks)
     step = A.make_explicit_step(model.explicit_apply_fn)
-    records: list[dict] = []
-    timings: dict[str, float] = {}
+    records, timings = finished_records(Path(out_dir) / "reproduce.json", cfg) if resume else ([], {})
+    if records:
+        status(f"resuming: {len(records)} finished records from {out_dir}")
     result = ReproResult(dataclasses.asdict(cfg), tok, records, [], timings, False)
 
     def save(complete=False):
@@ -714,35 +746,43 @@ def run(cfg: ReproConfig, model: ReproModel, out_dir, *, filler_path: str | None
         cycles = cfg.p1_cycles if part == "p1" else cfg.p2_cycles
         per_seed = cfg.p1_trials_per_seed if part == "p1" else cfg.p2_trials_per_seed
         for c in cycles:
-            t0 = time.perf_counter()
             trials = draw_trials(part, enc, sinks, c, cfg.seeds, per_seed)
-            replicas = [a for a in arms if a not in OURS]
-            for a in replicas:  # trial 0's query layout per arm (cheap: no model)
-                result.layouts.append({"part": part, "arm": a, "n_cycles": c, **query_layout(a, trials[0])})
-            if replicas:
-                records += run_replicas(part, replicas, trials, c, model, step, cfg.batch, show_progress)
-            ours = [a for a in arms if a in OURS]
-            if ours:
-                records += run_ours(part, ours, trials, c, model, cfg.batch, show_progress)
-            timings[f"{part}/{c}"] = time.perf_counter() - t0
-            status(f"{part} n_cycles={c}: {timings[f'{part}/{c}']:.0f} s")
-            save()
+            for a in arms:  # trial 0's query layout per replica arm (cheap: no model)
+                if a not in OURS:
+                    result.layouts.append({"part": part, "arm": a, "n_cycles": c, **query_layout(a, trials[0])})
+            todo = [a for a in arms if not _done(records, part, a, c)]
+            for kind, names in (("replicas", [a for a in todo if a not in OURS]), ("ours", [a for a in todo if a in OURS])):
+                if not names:
+                    continue
+                t0 = time.perf_counter()
+                if kind == "replicas":
+                    records += run_replicas(part, names, trials, c, model, step, cfg.batch, show_progress)
+                else:
+                    records += run_ours(part, names, trials, c, model, cfg.batch, show_progress)
+                timings[f"{part}/{c}/{kind}"] = time.perf_counter() - t0
+                status(f"{part} n_cycles={c} {kind} ({len(names)} arms x {len(trials)} trials): "
+                       f"{timings[f'{part}/{c}/{kind}']:.0f} s")
+                save()
     if "factorial" in cfg.parts:
         from rsqr_jax.experiments.recall import tokenize_filler
 
         n_filler = max(cfg.factorial_cycles) * CYCLE_LEN
         book = tokenize_filler(model.tokenizer, filler_path, n_filler + 16) if filler_path else None
         for cell in factorial_cells():
-            if not all(pair in _cell_name(cell).split(",") for pair in cfg.factorial_only):
+            name = _cell_name(cell)
+            if not all(pair in name.split(",") for pair in cfg.factorial_only):
+                continue
+            if all(_done(records, "factorial", p, c, name) for p in cfg.factorial_policies for c in cfg.factorial_cycles):
                 continue
             if cell["filler"] == "frankenstein" and book is None:
                 raise ConfigError("the factorial's Frankenstein cells need a filler file")
+            records[:] = [r for r in records if r.get("cell", "") != name]  # a cell runs whole (one stream per trial)
             t0 = time.perf_counter()
             tr = factorial_trials(enc, sinks, cell, cfg.factorial_trials, n_filler, book, seed=1234)
             records += run_factorial_cell(cell, tr, cfg.factorial_cycles, cfg.factorial_policies, model, cfg.batch,
                                           cfg.gen_tokens, show_progress)
-            timings[f"factorial/{_cell_name(cell)}"] = time.perf_counter() - t0
-            status(f"factorial {_cell_name(cell)}: {time.perf_counter() - t0:.0f} s")
+            timings[f"factorial/{name}"] = time.perf_counter() - t0
+            status(f"factorial {name}: {time.perf_counter() - t0:.0f} s")
             save()
     save(complete=True)
     return result
