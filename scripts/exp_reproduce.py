@@ -44,7 +44,7 @@ def build_parser() -> Parser:
                    help="reuse the finished cells of OUT/reproduce.json (same seeds and trial counts), run the rest")
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="the factorial's book filler (default: Frankenstein)")
     p.add_argument("--batch", type=int, default=48, help="rows of one batched step")
-    p.add_argument("--from-json", default=None, help="print the tables of an existing reproduce.json (no model)")
+    p.add_argument("--from-json", default=None, help="print the tables of existing reproduce.json files (comma-separated: merged; no model)")
     add_model_args(p)
     return p
 
@@ -103,7 +103,7 @@ def load(args) -> R.ReproModel:
 def main() -> int:
     args = build_parser().parse_args()
     if args.from_json:
-        print(R.markdown(R.load_result(args.from_json)))
+        print(R.markdown(R.merge_results(_names(args.from_json))))
         return 0
     check_model_args(args)
     if args.dtype != "float32":

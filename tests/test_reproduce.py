@@ -184,6 +184,11 @@ def test_resume_keeps_only_finished_cells(tmp_path):
     assert {(r["part"], r["arm"]) for r in kept} == {("p2", "B_corrected"), ("factorial", "leave_gaps")}
     assert len(kept) == 10 and timings == {"p2/4/replicas": 1.0}
     assert R.finished_records(tmp_path / "missing.json", cfg) == ([], {})
+    R.ReproResult({}, tok, kept[:6] + [rec("p2", "B_corrected", 8, 0, 0)], [], {}, True).write(tmp_path / "b")
+    merged = R.merge_results([tmp_path / "reproduce.json", tmp_path / "b" / "reproduce.json"])
+    assert len(merged.records) == len(records) + 1  # the first run's cells kept, the second's new cell added
+    assert {(r["arm"], r["n_cycles"], r["n"]) for r in merged.summary if r["part"] == "p2"} == {
+        ("B_corrected", 4, 6), ("full", 4, 5), ("B_corrected", 8, 1)}
     with pytest.raises(R.ConfigError, match="factor=level"):
         R.ReproConfig(factorial_only=("prefix=p3",)).validate()
 

@@ -694,6 +694,21 @@ def load_result(path) -> ReproResult:
         raise ConfigError(f"cannot read {path}: {e}") from None
 
 
+def merge_results(paths) -> ReproResult:
+    """Several runs' reproduce.json as one result (records and layouts concatenated; a cell present in two
+    runs keeps the first run's records): the tables of runs made with different trial or cycle counts."""
+    results = [load_result(p) for p in paths]
+    seen: set = set()
+    records, layouts = [], []
+    for res in results:
+        groups = {(r["part"], r.get("cell", ""), r["arm"], r["n_cycles"]) for r in res.records}
+        records += [r for r in res.records if (r["part"], r.get("cell", ""), r["arm"], r["n_cycles"]) not in seen]
+        layouts += [x for x in res.layouts if (x["part"], "", x["arm"], x["n_cycles"]) not in seen]
+        seen |= groups
+    return ReproResult([r.config for r in results], results[0].tokenisation, records, summarize(records, REFS),
+                       {k: v for r in results for k, v in r.timings.items()}, all(r.complete for r in results), layouts)
+
+
 def finished_records(path, cfg: ReproConfig) -> tuple[list[dict], dict]:
     """The records (and timings) of an earlier run in `path` whose cells are complete for `cfg` (every
     trial of the cell present, with the same seeds and trial counts): a resumed run skips those cells and
