@@ -877,6 +877,21 @@ def side_by_side(res: ReproResult) -> str:
     return "\n".join(out)
 
 
+def counts_table(res: ReproResult, part: str) -> str:
+    """Correct / n per arm and cycle count (one compact row per n_cycles; the Wilson intervals are in the
+    side-by-side and per-part tables)."""
+    rows = {(r["arm"], r["n_cycles"]): r for r in res.summary if r["part"] == part and not r["cell"]}
+    order = (P1_REPLICA_ARMS if part == "p1" else P2_REPLICA_ARMS) + OURS
+    arms = [a for a in order if any(k[0] == a for k in rows)]
+    if not arms:
+        return ""
+    out = [f"| n_cycles | {' | '.join(arms)} |", "|---:|" + "---:|" * len(arms)]
+    for c in sorted({k[1] for k in rows}):
+        out.append(f"| {c} | " + " | ".join(f"{rows[(a, c)]['correct']}/{rows[(a, c)]['n']}" if (a, c) in rows else "—"
+                                              for a in arms) + " |")
+    return "\n".join(out)
+
+
 def markdown(res: ReproResult) -> str:
     """Tables: per part, accuracy % [Wilson], mean log-prob; paired tests vs the reference arm and full."""
     lines = ["# Reproduction of the RSQR author's recall studies (SmolLM2-135M-Instruct, float32)", ""]
@@ -886,6 +901,10 @@ def markdown(res: ReproResult) -> str:
     lines += ["Tokenisation: filler words single tokens: " + str(t["filler_words_single_token"])
               + "; ' '+digit = space then digit: " + str(t["space_digit_is_space_then_digit"])
               + f"; query base tokens by name: {t['query_base_tokens_by_name']}; P2 sinks: {t.get('p2_sink_tokens')}", ""]
+    for part in ("p1", "p2"):
+        table = counts_table(res, part)
+        if table:
+            lines += [f"## {part}: correct / n per arm", "", table, ""]
     sbs = side_by_side(res)
     if sbs:
         lines += ["## The author's tables next to ours", "", sbs, ""]
