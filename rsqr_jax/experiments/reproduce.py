@@ -366,6 +366,9 @@ def factorial_effects(records: list[dict]) -> list[dict]:
                        "bootstrap95": _boot_diff(vals[l1], vals[l0])}
                 if pol != "leave_gaps-streamingllm":
                     row["wilson"] = [list(wilson(sum(vals[lv]), len(vals[lv]))) for lv in (l0, l1)]
+                else:  # per level: trials only leave_gaps / only streamingllm answered, and McNemar on them
+                    row["discordant"] = [[vals[lv].count(1), vals[lv].count(-1)] for lv in (l0, l1)]
+                    row["mcnemar_cc_p"] = [mcnemar_cc(*d) for d in row["discordant"]]
                 out.append(row)
     return out
 
@@ -880,6 +883,18 @@ def side_by_side(res: ReproResult) -> str:
 def counts_table(res: ReproResult, part: str) -> str:
     """Correct / n per arm and cycle count (one compact row per n_cycles; the Wilson intervals are in the
     side-by-side and per-part tables)."""
+    if part == "factorial":
+        rows = {(r["cell"], r["arm"], r["n_cycles"]): r for r in res.summary if r["part"] == part}
+        cols = sorted({(k[2], FACTORIAL_POLICIES.index(k[1])) for k in rows})
+        cols = [(c, FACTORIAL_POLICIES[i]) for c, i in cols]
+        if not cols:
+            return ""
+        out = ["| cell | " + " | ".join(f"{a} @{c}" for c, a in cols) + " |", "|---|" + "---:|" * len(cols)]
+        for cell in sorted({k[0] for k in rows}):
+            out.append(f"| {cell} | " + " | ".join(
+                f"{rows[(cell, a, c)]['correct']}/{rows[(cell, a, c)]['n']}" if (cell, a, c) in rows else "—"
+                for c, a in cols) + " |")
+        return "\n".join(out)
     rows = {(r["arm"], r["n_cycles"]): r for r in res.summary if r["part"] == part and not r["cell"]}
     order = (P1_REPLICA_ARMS if part == "p1" else P2_REPLICA_ARMS) + OURS
     arms = [a for a in order if any(k[0] == a for k in rows)]
@@ -901,7 +916,7 @@ def markdown(res: ReproResult) -> str:
     lines += ["Tokenisation: filler words single tokens: " + str(t["filler_words_single_token"])
               + "; ' '+digit = space then digit: " + str(t["space_digit_is_space_then_digit"])
               + f"; query base tokens by name: {t['query_base_tokens_by_name']}; P2 sinks: {t.get('p2_sink_tokens')}", ""]
-    for part in ("p1", "p2"):
+    for part in ("p1", "p2", "factorial"):
         table = counts_table(res, part)
         if table:
             lines += [f"## {part}: correct / n per arm", "", table, ""]
@@ -921,11 +936,14 @@ def markdown(res: ReproResult) -> str:
     effects = factorial_effects(res.records)
     if effects:
         lines += ["## Factorial main effects (accuracy %, level 0 -> level 1; diff with bootstrap 95%)", "",
-                  "| factor | n_cycles | policy | level 0 | level 1 | n | diff [95%] |", "|---|---:|---|---|---|---|---|"]
+                  "| factor | n_cycles | policy | level 0 | level 1 | n | diff [95%] | per level: only leave_gaps : only "
+                  "streamingllm (McNemar cc p) |", "|---|---:|---|---|---|---|---|---|"]
         for e in effects:
             lines.append(f"| {e['factor']} | {e['n_cycles']} | {e['policy']} | {e['levels'][0]}: {_pct(e['mean'][0])} | "
                          f"{e['levels'][1]}: {_pct(e['mean'][1])} | {e['n'][0]}/{e['n'][1]} | {100 * e['diff']:+.1f} "
-                         f"[{100 * e['bootstrap95'][0]:+.1f}, {100 * e['bootstrap95'][1]:+.1f}] |")
+                         f"[{100 * e['bootstrap95'][0]:+.1f}, {100 * e['bootstrap95'][1]:+.1f}] | "
+                         + (", ".join(f"{d[0]}:{d[1]} (p={p:.3f})" for d, p in zip(e["discordant"], e["mcnemar_cc_p"]))
+                            if "discordant" in e else "") + " |")
         lines.append("")
     for part in ("p1", "p2", "factorial"):
         rows = [r for r in res.summary if r["part"] == part]
