@@ -139,6 +139,28 @@ def test_statistics():
     assert lo == hi == 1.0
 
 
+def test_factorial_effects_use_matched_cells_only():
+    """In a run of some factorial cells, a factor's effect compares only cells whose counterpart ran: the
+    7-digit cells exist only with the study-1 prefix, so the answer effect must not pool study-2 digit cells
+    (all correct here) into its digit level; leave_gaps vs streamingllm reports its discordant trials."""
+    rng = np.random.default_rng(11)
+    print("seed 11")
+    cell = "filler=salad,answer={},prefix={},feeding=8".format
+    acc = {cell("digit", "p1"): 0.3, cell("7digit", "p1"): 0.5, cell("digit", "p2"): 1.0}
+    recs = [{"part": "factorial", "cell": cl, "arm": arm, "n_cycles": 4, "seed": 0, "trial": i,
+             "correct": bool(rng.random() < p)} for cl, p in acc.items() for arm in ("leave_gaps", "streamingllm")
+            for i in range(40)]
+    eff = {(e["factor"], e["policy"]): e for e in R.factorial_effects(recs)}
+    digit_p1 = np.mean([r["correct"] for r in recs if r["cell"] == cell("digit", "p1") and r["arm"] == "leave_gaps"])
+    assert eff[("answer", "leave_gaps")]["n"] == [40, 40]
+    assert eff[("answer", "leave_gaps")]["mean"][0] == digit_p1
+    assert eff[("prefix", "leave_gaps")]["n"] == [40, 40] and eff[("prefix", "leave_gaps")]["mean"][1] == 1.0
+    assert ("filler", "leave_gaps") not in eff  # no Frankenstein counterpart ran
+    d = eff[("answer", "leave_gaps-streamingllm")]
+    pairs = [(a["correct"], b["correct"]) for a, b in zip(recs[:40], recs[40:80])]
+    assert d["discordant"][0] == [sum(x and not y for x, y in pairs), sum(y and not x for x, y in pairs)]
+
+
 def test_bad_input_is_one_line():
     r = run_script("exp_reproduce.py", "--parts", "p3", "--quick")
     assert_one_line_error(r, "unknown part")

@@ -346,12 +346,18 @@ def factorial_effects(records: list[dict]) -> list[dict]:
     the leave_gaps - streamingllm difference is paired within a trial)."""
     recs = [r for r in records if r["part"] == "factorial"]
     out = []
+    cells = {r["cell"] for r in recs}
     for factor, (l0, l1) in FACTORS.items():
+        # a cell counts only when its counterpart (the same levels of the other factors) ran too: in a run
+        # of some of the cells, a factor's levels would otherwise pool different mixes of the other factors
+        matched = {cl for cl in cells if {cl.replace(f"{factor}={l0}", f"{factor}={l1}"),
+                                          cl.replace(f"{factor}={l1}", f"{factor}={l0}")} <= cells}
         for c in sorted({r["n_cycles"] for r in recs}):
             for pol in sorted({r["arm"] for r in recs}) + ["leave_gaps-streamingllm"]:
                 vals = {}
                 for lev in (l0, l1):
-                    sel = [r for r in recs if r["n_cycles"] == c and f"{factor}={lev}" in r["cell"].split(",")]
+                    sel = [r for r in recs if r["n_cycles"] == c and r["cell"] in matched
+                           and f"{factor}={lev}" in r["cell"].split(",")]
                     if pol == "leave_gaps-streamingllm":
                         m = {(r["cell"], r["trial"]): r["correct"] for r in sel if r["arm"] == "streamingllm"}
                         vals[lev] = [int(r["correct"]) - int(m[(r["cell"], r["trial"])]) for r in sel
