@@ -4,6 +4,7 @@
     python scripts/exp_reproduce.py --quick                  # CI smoke run (< 1 min): a tiny random model
     python scripts/exp_reproduce.py --parts p1 --p1-trials 16 --out runs/repro_p1     # docs/reproduction.md
     python scripts/exp_reproduce.py                          # the author's trial counts (hours on 2 cores)
+    python scripts/exp_reproduce.py --parts p2 --p2-arms C_rsqr_two_scale --resume --out runs/repro_p2  # add an arm
 
 The published model (Qwen2.5-0.5B-Instruct) is not available offline: the runs use SmolLM2-135M-Instruct.
 The protocol is described in rsqr_jax/experiments/reproduce.py; results go to OUT/reproduce.json and
@@ -37,9 +38,13 @@ def build_parser() -> Parser:
     p.add_argument("--factorial-trials", type=int, default=24, help="trials per factorial cell")
     p.add_argument("--factorial-cycles", default=",".join(map(str, R.FACTORIAL_CYCLES)))
     p.add_argument("--factorial-policies", default=None, help=f"default: {','.join(R.FACTORIAL_POLICIES)}")
+    p.add_argument("--factorial-only", default=None,
+                   help="run only the factorial cells with these levels, e.g. answer=digit,feeding=8")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the finished cells of OUT/reproduce.json (same seeds and trial counts), run the rest")
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="the factorial's book filler (default: Frankenstein)")
     p.add_argument("--batch", type=int, default=48, help="rows of one batched step")
-    p.add_argument("--from-json", default=None, help="print the tables of an existing reproduce.json (no model)")
+    p.add_argument("--from-json", default=None, help="print the tables of existing reproduce.json files (comma-separated: merged; no model)")
     add_model_args(p)
     return p
 
@@ -60,7 +65,8 @@ def _names(text: str) -> tuple:
 
 def config_from_args(args) -> R.ReproConfig:
     chosen = {k: _names(v) for k, v in (("p1_arms", args.p1_arms), ("p2_arms", args.p2_arms),
-                                          ("factorial_policies", args.factorial_policies)) if v}
+                                          ("factorial_policies", args.factorial_policies),
+                                          ("factorial_only", args.factorial_only)) if v}
     if args.quick:
         return R.quick_config(parts=_names(args.parts), **chosen)
     return R.ReproConfig(parts=_names(args.parts), seeds=_ints(args.seeds, "--seeds"), p1_trials_per_seed=args.p1_trials,
@@ -97,14 +103,15 @@ def load(args) -> R.ReproModel:
 def main() -> int:
     args = build_parser().parse_args()
     if args.from_json:
-        print(R.markdown(R.load_result(args.from_json)))
+        print(R.markdown(R.merge_results(_names(args.from_json))))
         return 0
     check_model_args(args)
     if args.dtype != "float32":
         raise UsageError("the reproduction runs in float32 (the author's dtype)")
     cfg = config_from_args(args)
     model = load(args)
-    result = R.run(cfg, model, args.out, filler_path=args.filler, show_progress=not args.no_progress)
+    result = R.run(cfg, model, args.out, filler_path=args.filler, show_progress=not args.no_progress,
+                   resume=args.resume)
     if args.json:
         print(json.dumps({"summary": result.summary, "tokenisation": result.tokenisation, "timings": result.timings}))
     else:

@@ -139,6 +139,28 @@ def test_statistics():
     assert lo == hi == 1.0
 
 
+def test_factorial_effects_use_matched_cells_only():
+    """In a run of some factorial cells, a factor's effect compares only cells whose counterpart ran: the
+    7-digit cells exist only with the study-1 prefix, so the answer effect must not pool study-2 digit cells
+    (all correct here) into its digit level; leave_gaps vs streamingllm reports its discordant trials."""
+    rng = np.random.default_rng(11)
+    print("seed 11")
+    cell = "filler=salad,answer={},prefix={},feeding=8".format
+    acc = {cell("digit", "p1"): 0.3, cell("7digit", "p1"): 0.5, cell("digit", "p2"): 1.0}
+    recs = [{"part": "factorial", "cell": cl, "arm": arm, "n_cycles": 4, "seed": 0, "trial": i,
+             "correct": bool(rng.random() < p)} for cl, p in acc.items() for arm in ("leave_gaps", "streamingllm")
+            for i in range(40)]
+    eff = {(e["factor"], e["policy"]): e for e in R.factorial_effects(recs)}
+    digit_p1 = np.mean([r["correct"] for r in recs if r["cell"] == cell("digit", "p1") and r["arm"] == "leave_gaps"])
+    assert eff[("answer", "leave_gaps")]["n"] == [40, 40]
+    assert eff[("answer", "leave_gaps")]["mean"][0] == digit_p1
+    assert eff[("prefix", "leave_gaps")]["n"] == [40, 40] and eff[("prefix", "leave_gaps")]["mean"][1] == 1.0
+    assert ("filler", "leave_gaps") not in eff  # no Frankenstein counterpart ran
+    d = eff[("answer", "leave_gaps-streamingllm")]
+    pairs = [(a["correct"], b["correct"]) for a, b in zip(recs[:40], recs[40:80])]
+    assert d["discordant"][0] == [sum(x and not y for x, y in pairs), sum(y and not x for x, y in pairs)]
+
+
 def test_bad_input_is_one_line():
     r = run_script("exp_reproduce.py", "--parts", "p3", "--quick")
     assert_one_line_error(r, "unknown part")
@@ -164,6 +186,33 @@ def test_query_layout_shows_the_off_by_one_emptying_the_window():
     assert fixed["n_window_entries"] == 24
     assert R.query_layout("B_uncorrected", t)["duplicated_kv"] == 5  # 5 suffix tokens -> copies of one entry
     assert R.query_layout("B_uncorrected_clean", t)["duplicated_kv"] == 0
+
+
+def test_resume_keeps_only_finished_cells(tmp_path):
+    """A resumed run reuses a cell only when every trial of it is on disk with the same seeds and trial
+    counts; a cell cut short by a kill, or run with other counts, is dropped and rerun."""
+    rng = np.random.default_rng(5)
+    print("seed 5")
+    rec = lambda part, arm, c, s, i, **kw: {"part": part, "arm": arm, "n_cycles": c, "seed": s, "trial": i,  # noqa: E731
+                                            "correct": bool(rng.integers(2)), "logp": float(-rng.random()), **kw}
+    records = [rec("p2", "B_corrected", 4, s, i) for s in (0, 1) for i in range(3)]  # complete
+    records += [rec("p2", "full", 4, s, i) for s in (0, 1) for i in range(3) if (s, i) != (1, 2)]  # one trial missing
+    records += [rec("p1", "A_replay", 2, s, i) for s in (0, 1) for i in range(2)]  # other trial count
+    records += [rec("factorial", "leave_gaps", 4, 0, i, cell="filler=salad") for i in range(4)]  # complete
+    tok = {"filler_words_single_token": True, "space_digit_is_space_then_digit": True, "query_base_tokens_by_name": {}}
+    R.ReproResult({}, tok, records, [], {"p2/4/replicas": 1.0}, False).write(tmp_path)
+    cfg = R.ReproConfig(seeds=(0, 1), p1_trials_per_seed=3, p2_trials_per_seed=3, factorial_trials=4)
+    kept, timings = R.finished_records(tmp_path / "reproduce.json", cfg)
+    assert {(r["part"], r["arm"]) for r in kept} == {("p2", "B_corrected"), ("factorial", "leave_gaps")}
+    assert len(kept) == 10 and timings == {"p2/4/replicas": 1.0}
+    assert R.finished_records(tmp_path / "missing.json", cfg) == ([], {})
+    R.ReproResult({}, tok, kept[:6] + [rec("p2", "B_corrected", 8, 0, 0)], [], {}, True).write(tmp_path / "b")
+    merged = R.merge_results([tmp_path / "reproduce.json", tmp_path / "b" / "reproduce.json"])
+    assert len(merged.records) == len(records) + 1  # the first run's cells kept, the second's new cell added
+    assert {(r["arm"], r["n_cycles"], r["n"]) for r in merged.summary if r["part"] == "p2"} == {
+        ("B_corrected", 4, 6), ("full", 4, 5), ("B_corrected", 8, 1)}
+    with pytest.raises(R.ConfigError, match="factor=level"):
+        R.ReproConfig(factorial_only=("prefix=p3",)).validate()
 
 
 @pytest.mark.slow

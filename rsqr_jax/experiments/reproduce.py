@@ -244,6 +244,11 @@ class ReproConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be positive integers")
         if not self.seeds:
             raise ConfigError("at least one seed")
+        for pair in self.factorial_only:
+            factor, _, level = pair.partition("=")
+            if level not in FACTORS.get(factor, ()):
+                raise ConfigError(f"factorial cell filter {pair!r}: expected factor=level with "
+                                  + "; ".join(f"{f} in {'/'.join(v)}" for f, v in FACTORS.items()))
         return self
 
 
@@ -341,12 +346,18 @@ def factorial_effects(records: list[dict]) -> list[dict]:
     the leave_gaps - streamingllm difference is paired within a trial)."""
     recs = [r for r in records if r["part"] == "factorial"]
     out = []
+    cells = {r["cell"] for r in recs}
     for factor, (l0, l1) in FACTORS.items():
+        # a cell counts only when its counterpart (the same levels of the other factors) ran too: in a run
+        # of some of the cells, a factor's levels would otherwise pool different mixes of the other factors
+        matched = {cl for cl in cells if {cl.replace(f"{factor}={l0}", f"{factor}={l1}"),
+                                          cl.replace(f"{factor}={l1}", f"{factor}={l0}")} <= cells}
         for c in sorted({r["n_cycles"] for r in recs}):
             for pol in sorted({r["arm"] for r in recs}) + ["leave_gaps-streamingllm"]:
                 vals = {}
                 for lev in (l0, l1):
-                    sel = [r for r in recs if r["n_cycles"] == c and f"{factor}={lev}" in r["cell"].split(",")]
+                    sel = [r for r in recs if r["n_cycles"] == c and r["cell"] in matched
+                           and f"{factor}={lev}" in r["cell"].split(",")]
                     if pol == "leave_gaps-streamingllm":
                         m = {(r["cell"], r["trial"]): r["correct"] for r in sel if r["arm"] == "streamingllm"}
                         vals[lev] = [int(r["correct"]) - int(m[(r["cell"], r["trial"])]) for r in sel
@@ -361,6 +372,9 @@ def factorial_effects(records: list[dict]) -> list[dict]:
                        "bootstrap95": _boot_diff(vals[l1], vals[l0])}
                 if pol != "leave_gaps-streamingllm":
                     row["wilson"] = [list(wilson(sum(vals[lv]), len(vals[lv]))) for lv in (l0, l1)]
+                else:  # per level: trials only leave_gaps / only streamingllm answered, and McNemar on them
+                    row["discordant"] = [[vals[lv].count(1), vals[lv].count(-1)] for lv in (l0, l1)]
+                    row["mcnemar_cc_p"] = [mcnemar_cc(*d) for d in row["discordant"]]
                 out.append(row)
     return out
 
@@ -689,17 +703,59 @@ def load_result(path) -> ReproResult:
         raise ConfigError(f"cannot read {path}: {e}") from None
 
 
+def merge_results(paths) -> ReproResult:
+    """Several runs' reproduce.json as one result (records and layouts concatenated; a cell present in two
+    runs keeps the first run's records): the tables of runs made with different trial or cycle counts."""
+    results = [load_result(p) for p in paths]
+    seen: set = set()
+    records, layouts = [], []
+    for res in results:
+        groups = {(r["part"], r.get("cell", ""), r["arm"], r["n_cycles"]) for r in res.records}
+        records += [r for r in res.records if (r["part"], r.get("cell", ""), r["arm"], r["n_cycles"]) not in seen]
+        layouts += [x for x in res.layouts if (x["part"], "", x["arm"], x["n_cycles"]) not in seen]
+        seen |= groups
+    return ReproResult([r.config for r in results], results[0].tokenisation, records, summarize(records, REFS),
+                       {k: v for r in results for k, v in r.timings.items()}, all(r.complete for r in results), layouts)
+
+
+def finished_records(path, cfg: ReproConfig) -> tuple[list[dict], dict]:
+    """The records (and timings) of an earlier run in `path` whose cells are complete for `cfg` (every
+    trial of the cell present, with the same seeds and trial counts): a resumed run skips those cells and
+    reruns the rest. Records of an unfinished cell are dropped."""
+    if not Path(path).exists():
+        return [], {}
+    old = load_result(path)
+    expected = {"p1": {(s, i) for s in cfg.seeds for i in range(cfg.p1_trials_per_seed)},
+                "p2": {(s, i) for s in cfg.seeds for i in range(cfg.p2_trials_per_seed)},
+                "factorial": {(0, i) for i in range(cfg.factorial_trials)}}
+    groups: dict[tuple, list[dict]] = {}
+    for r in old.records:
+        groups.setdefault((r["part"], r.get("cell", ""), r["arm"], r["n_cycles"]), []).append(r)
+    kept = [r for (part, *_), recs in groups.items()
+            if {(r["seed"], r["trial"]) for r in recs} == expected[part] and len(recs) == len(expected[part])
+            for r in recs]
+    return kept, dict(old.timings)
+
+
+def _done(records: list[dict], part: str, arm: str, n_cycles: int, cell: str = "") -> bool:
+    return any(r["part"] == part and r["arm"] == arm and r["n_cycles"] == n_cycles and r.get("cell", "") == cell
+               for r in records)
+
+
 def run(cfg: ReproConfig, model: ReproModel, out_dir, *, filler_path: str | None = None,
-        show_progress: bool = True) -> ReproResult:
-    """Run the configured parts; writes OUT/reproduce.json (and .md) after every finished cell."""
+        show_progress: bool = True, resume: bool = False) -> ReproResult:
+    """Run the configured parts; writes OUT/reproduce.json (and .md) after every finished arm group and
+    factorial cell, so a run killed midway keeps what it finished; `resume` reuses the finished cells of
+    OUT/reproduce.json and runs only the missing ones."""
     cfg = cfg.validate()
     enc = _enc(model.tokenizer)
     tok = check_tokenisation(enc)
     sinks = chat_sinks(model.tokenizer)
     tok["p2_sink_tokens"] = len(sinks)
     step = A.make_explicit_step(model.explicit_apply_fn)
-    records: list[dict] = []
-    timings: dict[str, float] = {}
+    records, timings = finished_records(Path(out_dir) / "reproduce.json", cfg) if resume else ([], {})
+    if records:
+        status(f"resuming: {len(records)} finished records from {out_dir}")
     result = ReproResult(dataclasses.asdict(cfg), tok, records, [], timings, False)
 
     def save(complete=False):
@@ -714,35 +770,43 @@ def run(cfg: ReproConfig, model: ReproModel, out_dir, *, filler_path: str | None
         cycles = cfg.p1_cycles if part == "p1" else cfg.p2_cycles
         per_seed = cfg.p1_trials_per_seed if part == "p1" else cfg.p2_trials_per_seed
         for c in cycles:
-            t0 = time.perf_counter()
             trials = draw_trials(part, enc, sinks, c, cfg.seeds, per_seed)
-            replicas = [a for a in arms if a not in OURS]
-            for a in replicas:  # trial 0's query layout per arm (cheap: no model)
-                result.layouts.append({"part": part, "arm": a, "n_cycles": c, **query_layout(a, trials[0])})
-            if replicas:
-                records += run_replicas(part, replicas, trials, c, model, step, cfg.batch, show_progress)
-            ours = [a for a in arms if a in OURS]
-            if ours:
-                records += run_ours(part, ours, trials, c, model, cfg.batch, show_progress)
-            timings[f"{part}/{c}"] = time.perf_counter() - t0
-            status(f"{part} n_cycles={c}: {timings[f'{part}/{c}']:.0f} s")
-            save()
+            for a in arms:  # trial 0's query layout per replica arm (cheap: no model)
+                if a not in OURS:
+                    result.layouts.append({"part": part, "arm": a, "n_cycles": c, **query_layout(a, trials[0])})
+            todo = [a for a in arms if not _done(records, part, a, c)]
+            for kind, names in (("replicas", [a for a in todo if a not in OURS]), ("ours", [a for a in todo if a in OURS])):
+                if not names:
+                    continue
+                t0 = time.perf_counter()
+                if kind == "replicas":
+                    records += run_replicas(part, names, trials, c, model, step, cfg.batch, show_progress)
+                else:
+                    records += run_ours(part, names, trials, c, model, cfg.batch, show_progress)
+                timings[f"{part}/{c}/{kind}"] = time.perf_counter() - t0
+                status(f"{part} n_cycles={c} {kind} ({len(names)} arms x {len(trials)} trials): "
+                       f"{timings[f'{part}/{c}/{kind}']:.0f} s")
+                save()
     if "factorial" in cfg.parts:
         from rsqr_jax.experiments.recall import tokenize_filler
 
         n_filler = max(cfg.factorial_cycles) * CYCLE_LEN
         book = tokenize_filler(model.tokenizer, filler_path, n_filler + 16) if filler_path else None
         for cell in factorial_cells():
-            if not all(pair in _cell_name(cell).split(",") for pair in cfg.factorial_only):
+            name = _cell_name(cell)
+            if not all(pair in name.split(",") for pair in cfg.factorial_only):
+                continue
+            if all(_done(records, "factorial", p, c, name) for p in cfg.factorial_policies for c in cfg.factorial_cycles):
                 continue
             if cell["filler"] == "frankenstein" and book is None:
                 raise ConfigError("the factorial's Frankenstein cells need a filler file")
+            records[:] = [r for r in records if r.get("cell", "") != name]  # a cell runs whole (one stream per trial)
             t0 = time.perf_counter()
             tr = factorial_trials(enc, sinks, cell, cfg.factorial_trials, n_filler, book, seed=1234)
             records += run_factorial_cell(cell, tr, cfg.factorial_cycles, cfg.factorial_policies, model, cfg.batch,
                                           cfg.gen_tokens, show_progress)
-            timings[f"factorial/{_cell_name(cell)}"] = time.perf_counter() - t0
-            status(f"factorial {_cell_name(cell)}: {time.perf_counter() - t0:.0f} s")
+            timings[f"factorial/{name}"] = time.perf_counter() - t0
+            status(f"factorial {name}: {time.perf_counter() - t0:.0f} s")
             save()
     save(complete=True)
     return result
@@ -822,6 +886,33 @@ def side_by_side(res: ReproResult) -> str:
     return "\n".join(out)
 
 
+def counts_table(res: ReproResult, part: str) -> str:
+    """Correct / n per arm and cycle count (one compact row per n_cycles; the Wilson intervals are in the
+    side-by-side and per-part tables)."""
+    if part == "factorial":
+        rows = {(r["cell"], r["arm"], r["n_cycles"]): r for r in res.summary if r["part"] == part}
+        cols = sorted({(k[2], FACTORIAL_POLICIES.index(k[1])) for k in rows})
+        cols = [(c, FACTORIAL_POLICIES[i]) for c, i in cols]
+        if not cols:
+            return ""
+        out = ["| cell | " + " | ".join(f"{a} @{c}" for c, a in cols) + " |", "|---|" + "---:|" * len(cols)]
+        for cell in sorted({k[0] for k in rows}):
+            out.append(f"| {cell} | " + " | ".join(
+                f"{rows[(cell, a, c)]['correct']}/{rows[(cell, a, c)]['n']}" if (cell, a, c) in rows else "—"
+                for c, a in cols) + " |")
+        return "\n".join(out)
+    rows = {(r["arm"], r["n_cycles"]): r for r in res.summary if r["part"] == part and not r["cell"]}
+    order = (P1_REPLICA_ARMS if part == "p1" else P2_REPLICA_ARMS) + OURS
+    arms = [a for a in order if any(k[0] == a for k in rows)]
+    if not arms:
+        return ""
+    out = [f"| n_cycles | {' | '.join(arms)} |", "|---:|" + "---:|" * len(arms)]
+    for c in sorted({k[1] for k in rows}):
+        out.append(f"| {c} | " + " | ".join(f"{rows[(a, c)]['correct']}/{rows[(a, c)]['n']}" if (a, c) in rows else "—"
+                                              for a in arms) + " |")
+    return "\n".join(out)
+
+
 def markdown(res: ReproResult) -> str:
     """Tables: per part, accuracy % [Wilson], mean log-prob; paired tests vs the reference arm and full."""
     lines = ["# Reproduction of the RSQR author's recall studies (SmolLM2-135M-Instruct, float32)", ""]
@@ -831,6 +922,10 @@ def markdown(res: ReproResult) -> str:
     lines += ["Tokenisation: filler words single tokens: " + str(t["filler_words_single_token"])
               + "; ' '+digit = space then digit: " + str(t["space_digit_is_space_then_digit"])
               + f"; query base tokens by name: {t['query_base_tokens_by_name']}; P2 sinks: {t.get('p2_sink_tokens')}", ""]
+    for part in ("p1", "p2", "factorial"):
+        table = counts_table(res, part)
+        if table:
+            lines += [f"## {part}: correct / n per arm", "", table, ""]
     sbs = side_by_side(res)
     if sbs:
         lines += ["## The author's tables next to ours", "", sbs, ""]
@@ -847,11 +942,14 @@ def markdown(res: ReproResult) -> str:
     effects = factorial_effects(res.records)
     if effects:
         lines += ["## Factorial main effects (accuracy %, level 0 -> level 1; diff with bootstrap 95%)", "",
-                  "| factor | n_cycles | policy | level 0 | level 1 | n | diff [95%] |", "|---|---:|---|---|---|---|---|"]
+                  "| factor | n_cycles | policy | level 0 | level 1 | n | diff [95%] | per level: only leave_gaps : only "
+                  "streamingllm (McNemar cc p) |", "|---|---:|---|---|---|---|---|---|"]
         for e in effects:
             lines.append(f"| {e['factor']} | {e['n_cycles']} | {e['policy']} | {e['levels'][0]}: {_pct(e['mean'][0])} | "
                          f"{e['levels'][1]}: {_pct(e['mean'][1])} | {e['n'][0]}/{e['n'][1]} | {100 * e['diff']:+.1f} "
-                         f"[{100 * e['bootstrap95'][0]:+.1f}, {100 * e['bootstrap95'][1]:+.1f}] |")
+                         f"[{100 * e['bootstrap95'][0]:+.1f}, {100 * e['bootstrap95'][1]:+.1f}] | "
+                         + (", ".join(f"{d[0]}:{d[1]} (p={p:.3f})" for d, p in zip(e["discordant"], e["mcnemar_cc_p"]))
+                            if "discordant" in e else "") + " |")
         lines.append("")
     for part in ("p1", "p2", "factorial"):
         rows = [r for r in res.summary if r["part"] == part]
