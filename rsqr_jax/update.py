@@ -262,14 +262,17 @@ def _kv_bitcast(cache: KVCache, dtype) -> KVCache:
     return cache.replace(**{f: jax.lax.bitcast_convert_type(getattr(cache, f), dtype) for f in KV_FIELDS})
 
 
-def _gather_slots(cache: KVCache, layer, slots_BxR) -> tuple[jax.Array, jax.Array]:
-    """Raw K and V [B, Hkv, R, D] of the given cold slots of one layer, in their logical dtype: one gather
-    from the whole [L, ...] store (no copy of the layer's store)."""
-    B, H = cache.cold_k.shape[1], cache.cold_k.shape[2]
-    idx = (layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots_BxR[:, None, :])
+def _layer_slots(buf: jax.Array, layer, slots_BxR) -> jax.Array:
+    """buf[layer, b, h, slots_BxR[b]] for an [L, B, Hkv, N, D] buffer: [B, Hkv, R, D] as stored, one gather from
+    the whole buffer (a slice of the layer would be a copy of its whole store, see _write_cold)."""
+    B, H = buf.shape[1], buf.shape[2]
+    return buf[layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots_BxR[:, None, :]]
 
+
+def _gather_slots(cache: KVCache, layer, slots_BxR) -> tuple[jax.Array, jax.Array]:
+    """Raw K and V [B, Hkv, R, D] of the given cold slots of one layer, in their logical dtype."""
     def take(buf):
-        x = buf[idx]
+        x = _layer_slots(buf, layer, slots_BxR)
         return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
 
     return take(cache.cold_k), take(cache.cold_v)
@@ -347,7 +350,8 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     the stored key stays raw. A restarted page's summary starts afresh.
 
     Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], and its
-    scoring copy of the keys [B, Hkv, Nc, D] (the "max" rule; empty otherwise), which recall scores. The layer's summary is read once, updated at the chunk's pages and written back whole: had recall
+    scoring copy of the keys [B, Hkv, Nc, D] (the "max" rule; empty otherwise), which recall scores. The
+    layer's summary is read once, updated at the chunk's pages and written back whole: had recall
     read the [L, ...] buffer after a scatter into it, XLA's fusion inside the generation loop would keep
     the pre-scatter buffer alive and copy all layers' summaries twice per layer (5.7 GB per token for
     SmolLM2 with a 64k-token store)."""
@@ -377,9 +381,8 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
         # one gather of this layer's slots from the [L, ...] buffer. A slice read (before or after the write)
         # made XLA copy the whole buffer twice per layer (see the docstring).
         out["cold_k_glob"] = _set(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
-        B, H, Nc = cache.cold_k_glob.shape[1:4]
-        k_glob = out["cold_k_glob"][layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
-                                    jnp.arange(Nc)[None, None, :]]
+        B, Nc = cache.cold_k_glob.shape[1], cache.cold_k_glob.shape[3]
+        k_glob = _layer_slots(out["cold_k_glob"], layer, jnp.broadcast_to(jnp.arange(Nc), (B, Nc)))
     return cache.replace(**out), (layer_sum, lo, hi, k_glob)
 
 
