@@ -115,6 +115,55 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
     )
 
 
+# The cold store's fields by the axis that counts its ring slots, or its pages (one page = page_size slots).
+COLD_SLOT_AXES = {"cold_k": 3, "cold_v": 3, "cold_k_glob": 3, "cold_pos": 0}
+COLD_PAGE_AXES = {"cold_sum": 3, "cold_lo": 3, "cold_hi": 3}
+
+
+def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
+    """How many leading cold slots (a multiple of the page size) hold anything: the ring fills slots 0, 1, ...
+    in order until it wraps, so everything after them is still exactly as init_cache made it (checked bit
+    for bit; else every slot counts). A session file stores only these (a fresh 4096-token store is ~300 MB)."""
+    nc, page = spec.cold_slots, spec.page_size
+    if not nc:
+        return 0
+    written = np.flatnonzero(np.asarray(fields["cold_pos"]) >= 0)
+    used = 0 if not len(written) else -(-(int(written[-1]) + 1) // page) * page
+    fresh = jax.eval_shape(lambda: init_cache(spec))
+    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
+        a = np.asarray(fields[name])
+        first = used if name in COLD_SLOT_AXES else used // page
+        tail = a[(slice(None),) * axis + (slice(first, None),)]
+        empty = np.full(tail.shape, -1 if name == "cold_pos" else 0, getattr(fresh, name).dtype)
+        if tail.tobytes() != empty.tobytes():
+            return nc
+    return used
+
+
+def cut_cold_store(fields: dict[str, np.ndarray], used: int, page_size: int) -> dict[str, np.ndarray]:
+    """`fields` with the cold store cut to its first `used` slots (cold_slots_in_use)."""
+    out = dict(fields)
+    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
+        n = used if name in COLD_SLOT_AXES else used // page_size
+        out[name] = fields[name][(slice(None),) * axis + (slice(0, n),)]
+    return out
+
+
+def grow_cold_store(fields: dict[str, np.ndarray], spec: CacheSpec) -> dict[str, np.ndarray]:
+    """Undo cut_cold_store: each cold field padded back to its spec shape with init_cache's values."""
+    fresh = jax.eval_shape(lambda: init_cache(spec))
+    out = dict(fields)
+    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
+        if name not in fields:  # a file from before the field existed (the caller checks what is missing)
+            continue
+        a, want = fields[name], getattr(fresh, name)
+        missing = want.shape[axis] - a.shape[axis]
+        if missing > 0 and a.shape[:axis] + a.shape[axis + 1:] == want.shape[:axis] + want.shape[axis + 1:]:
+            pad_shape = a.shape[:axis] + (missing,) + a.shape[axis + 1:]
+            out[name] = np.concatenate([a, np.full(pad_shape, -1 if name == "cold_pos" else 0, a.dtype)], axis=axis)
+    return out
+
+
 def init_policy_cache(spec: CacheSpec, n_policies: int, start: int = 0) -> KVCache:
     """An empty cache with a leading policy axis [P] (for a vmapped sweep)."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n_policies,) + x.shape), init_cache(spec, start))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rsqr_jax.cache import MAX_POSITION, KVCache, init_cache
+from rsqr_jax.cache import MAX_POSITION, KVCache, cold_slots_in_use, cut_cold_store, grow_cold_store, init_cache
 from rsqr_jax.engine import Decoder, policy_values
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy
@@ -172,7 +172,10 @@ class Session:
         """
         if extra is not None:
             self.extra = dict(extra)
-        arrays = {f"cache.{f.name}": np.asarray(getattr(self.cache, f.name)) for f in dataclasses.fields(KVCache)}
+        fields = {f.name: np.asarray(getattr(self.cache, f.name)) for f in dataclasses.fields(KVCache)}
+        cold_used = cold_slots_in_use(fields, self.spec)  # the still-empty rest of the cold store is not written
+        fields = cut_cold_store(fields, cold_used, self.spec.page_size)
+        arrays = {f"cache.{k}": v for k, v in fields.items()}
         arrays["rng"] = np.asarray(self.rng)
         header = {
             "format": FORMAT, "version": FORMAT_VERSION,
@@ -181,7 +184,7 @@ class Session:
             "policy": {f.name: int(np.asarray(getattr(self.policy, f.name))) for f in dataclasses.fields(Policy)},
             "prefill_chunk": self.prefill_chunk, "temperature": self.temperature, "top_p": self.top_p,
             "seed": self.seed, "eos_ids": sorted(self.eos_ids), "vocab_size": self.vocab_size,
-            "pending": self.pending, "n_tokens": self.n_tokens,
+            "pending": self.pending, "n_tokens": self.n_tokens, "cold_slots_saved": cold_used,
         }
         write_session_file(path, header, arrays)
 
@@ -212,6 +215,12 @@ class Session:
             raise SessionFileError(f"{name} has policy {saved_policy.name}, expected {policy.name}")
         expected = jax.eval_shape(lambda: init_cache(saved_spec))
         cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}
+        saved = header.get("cold_slots_saved")  # absent: a file from before the cold store was cut
+        if saved is not None and saved != saved_spec.cold_slots:
+            if not (isinstance(saved, int) and 0 <= saved < saved_spec.cold_slots and saved % saved_spec.page_size == 0):
+                raise SessionFileError(f"{name} holds an invalid cold store length {saved!r}")
+            grown = grow_cold_store({k[len("cache."):]: v for k, v in arrays.items() if k in cache_names}, saved_spec)
+            arrays.update({f"cache.{k}": v for k, v in grown.items()})
         for f in dataclasses.fields(KVCache):  # a file from before an unused (empty) field existed still loads
             e = getattr(expected, f.name)
             if f"cache.{f.name}" not in arrays and not math.prod(e.shape):

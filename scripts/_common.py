@@ -24,7 +24,9 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr") -> None:
+def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr", recall_by_default: bool = False) -> None:
+    """The policy flags; recall_by_default: --recall-pages defaults to None, which
+    resolve_recall_default turns into the chat default (recall on under rsqr)."""
     g = p.add_argument_group("policy")
     g.add_argument("--policy", default=default_policy,
                    help="full, window, streamingllm, leave_gaps, rerotate, replay, rsqr, rsqr_precompute")
@@ -34,17 +36,23 @@ def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr")
     g.add_argument("--max-survivors", type=int, default=64, help="cap on non-sink survivors")
     g.add_argument("--block", type=int, default=1, help="eviction block size")
     g.add_argument("--overflow", default="fifo", help="fifo or decimate")
-    add_recall_args(p)
+    add_recall_args(p, default_pages=None if recall_by_default else 0)
 
 
-def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int = 0, what: str = "",
+def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0, what: str = "",
                     pages: bool = True) -> None:
     """The recall tier's flags (DESIGN section 3b); `what` says which arm they apply to, if not --policy;
-    pages=False leaves out --recall-pages (where a grid sets it)."""
+    pages=False leaves out --recall-pages (where a grid sets it); default_pages None = the chat default
+    (see resolve_recall_default)."""
     g = p.add_argument_group("recall tier (rsqr, streamingllm)" + (f": {what}" if what else ""))
     if pages:
+        default_help = f"default {default_pages}"
+        if default_pages is None:
+            from rsqr_jax.experiments.chat import DEFAULT_RECALL_PAGES
+
+            default_help = f"default: {DEFAULT_RECALL_PAGES} under rsqr, 0 under the other policies"
         g.add_argument("--recall-pages", type=int, default=default_pages,
-                       help="cold pages each layer recalls per step (0 = off; DESIGN section 3b)")
+                       help=f"cold pages each layer recalls per step (0 = off; {default_help}; DESIGN section 3b)")
     g.add_argument("--cold-capacity", type=int, default=4096,
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
@@ -61,6 +69,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     g.add_argument("--kernel", default="auto",
                    help="attention kernel: xla, pallas, auto (pallas on GPU, xla on CPU), reference")
+
+
+def resolve_recall_default(args) -> None:
+    """Set an unset --recall-pages (None) to the chat default for --policy (after a resumed session's
+    settings are applied, which fix it)."""
+    from rsqr_jax.experiments.chat import default_recall_pages
+
+    if getattr(args, "recall_pages", 0) is None:
+        args.recall_pages = default_recall_pages(args.policy)
 
 
 def policy_from_args(args):

@@ -29,7 +29,7 @@ import sys
 import time
 
 from _common import (Parser, UsageError, add_model_args, add_policy_args, check_cache_fits, check_model_args,
-                     cold_store_args, policy_from_args, run_main, status)
+                     cold_store_args, policy_from_args, resolve_recall_default, run_main, status)
 
 
 def build_parser() -> Parser:
@@ -53,7 +53,7 @@ def build_parser() -> Parser:
     p.add_argument("--max-len", type=int, default=0,
                    help="--prompts-jsonl with --policy full: positions each stream's cache holds (default: what "
                         "the longest request needs, at most the model's context)")
-    add_policy_args(p, default_policy="rsqr")
+    add_policy_args(p, default_policy="rsqr", recall_by_default=True)
     add_model_args(p)  # its --dtype is the KV cache dtype here (kept for compatibility)
     p.add_argument("--cache-dtype", default=None,
                    help="KV cache dtype, float32 (default) or bfloat16; --dtype is the same setting")
@@ -91,6 +91,7 @@ def main() -> int:
         except SessionFileError as e:
             raise UsageError(str(e)) from None
         vars(args).update(chat.apply_resume(vars(args), header, given))
+    resolve_recall_default(args)
     prompt = chat.read_prompt(args.prompt, args.prompt_file)
     policy = policy_from_args(args)
 
@@ -172,6 +173,7 @@ def main_jsonl(args) -> int:
     if args.max_len < 0:
         raise UsageError(f"--max-len must be >= 0, got {args.max_len}")
     lines = chat.read_prompts_jsonl(args.prompts_jsonl, max_new_tokens=args.max_new_tokens, chat=args.chat)
+    resolve_recall_default(args)
     policy = policy_from_args(args)
 
     import jax

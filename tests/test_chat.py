@@ -196,7 +196,7 @@ def test_decode_help_names_the_dtype_defaults(cli):
 @pytest.mark.slow
 def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_path, smollm2_config, tmp_path):
     from rsqr_jax.policy import make_policy
-    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.spec import CacheSpec, ColdStore
 
     proc = run("decode.py", "--prompt", "Hi", "--max-new-tokens", "2", "--cache-dtype", "bfloat16", "--json",
                "--out", str(tmp_path))
@@ -205,10 +205,14 @@ def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_p
     assert result == json.loads((tmp_path / "decode.json").read_text())
     assert (result["weights_dtype"], result["cache_dtype"], result["dtype"]) == ("float32", "bfloat16", "bfloat16")
     c = smollm2_config
-    pol = make_policy("rsqr", window=256, n_sink=4, delta=8, max_survivors=64, block=1, overflow="fifo")
+    # decode.py's defaults: rsqr with the recall tier on (4 pages of the default 4096-token cold store)
+    pol = make_policy("rsqr", window=256, n_sink=4, delta=8, max_survivors=64, block=1, overflow="fifo",
+                      recall_pages=chat.DEFAULT_RECALL_PAGES)
     spec = CacheSpec.for_policies(pol, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                  dtype="bfloat16", max_chunk=64)
-    assert result["cache_bytes"] == spec.bytes_by_part(pol)
+                                  dtype="bfloat16", max_chunk=64, max_recall_pages=chat.DEFAULT_RECALL_PAGES,
+                                  **ColdStore(4096, 16).spec_kwargs())
+    assert result["cache_bytes"] == spec.bytes_by_part(pol) and result["cache_bytes"]["cold_store"] > 0
+    assert result["policy_name"].endswith("recall=4)")
     assert "float32 weights, bfloat16 cache" in proc.stderr
 
 

@@ -88,14 +88,22 @@ def test_full_policy_answers_paris(smollm2_path):
 
 
 @pytest.mark.slow
-def test_demo_session_outgrows_the_cache(smollm2_path):
-    proc = run("decode.py", "--max-new-tokens", "24", "--window", "64", "--max-survivors", "8", "--json")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    assert result["policy"] == "rsqr"
-    assert len(result["replies"]) >= 5
-    budget = 64 + 4 + 8
-    assert result["session_tokens"] > 3 * budget
+def test_demo_remembers_the_name_the_window_forgot(smollm2_path):
+    """`decode.py` with no flags (the README's demo): a chat ~2.7x longer than the cache budget, under rsqr with
+    the recall tier on by default; its closing question ("what is my name ...?") is answered with the name
+    given in the first turn. With the recall tier off (`--recall-pages 0`) the same greedy run loses it."""
+    runs = {}
+    for extra in ([], ["--recall-pages", "0"]):
+        proc = run("decode.py", "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        runs[bool(extra)] = json.loads(proc.stdout)
+    recall, plain = runs[False], runs[True]
+    assert (recall["policy"], plain["policy"]) == ("rsqr", "rsqr")
+    assert recall["policy_name"].endswith("recall=4)") and "recall" not in plain["policy_name"]
+    assert recall["cache_bytes"]["cold_store"] > 0 and not plain["cache_bytes"].get("cold_store")
+    for r in (recall, plain):
+        assert len(r["replies"]) >= 5 and r["session_tokens"] > 2 * (256 + 4 + 64)
+    assert "Ada" in recall["replies"][-1] and "Ada" not in plain["replies"][-1]
 
 
 @pytest.mark.slow

@@ -454,6 +454,47 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
         np.testing.assert_array_equal(np.asarray(getattr(s.cache, f)), np.asarray(getattr(ref.cache, f)), err_msg=f)
 
 
+@pytest.mark.parametrize("score", ["mean", "max", "quest"])
+def test_a_session_file_holds_only_the_cold_slots_in_use(tmp_path, score):
+    """A store that has not wrapped is written up to its last used page (the rest is exactly init_cache's),
+    read back bit for bit, and the resumed session continues as if never saved; a store whose "empty" tail
+    is not pristine is written whole."""
+    from rsqr_jax.cache import cold_slots_in_use
+    from rsqr_jax.session import Session
+    from rsqr_jax.session_file import read_session_file
+
+    rng = np.random.default_rng(_seed("cut"))
+    a, b = rng.integers(0, CFG.vocab_size, size=int(rng.integers(30, 60))), rng.integers(0, CFG.vocab_size, size=7)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    spec = spec_for([pol], 0, chunk=4, cold=256, score=score)
+    apply_fn, params = _model(0)
+    ident = {"model": "tiny-random", "seed": 0}
+
+    def session():
+        return Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size)
+
+    ref = session()
+    ref.feed(a)
+    ref.save(tmp_path / "r.session", ident)
+    header, arrays = read_session_file(tmp_path / "r.session")
+    written = len(a) - 2  # every non-sink token is written on arrival, at slots 0, 1, ...
+    assert header["cold_slots_saved"] == -(-written // 4) * 4 < spec.cold_slots
+    assert arrays["cache.cold_k"].shape[3] == header["cold_slots_saved"]
+    assert arrays["cache.cold_sum"].shape[3] == header["cold_slots_saved"] // 4
+    s = Session.load(tmp_path / "r.session", apply_fn, params, ident)
+    for f in dataclasses.fields(s.cache):
+        np.testing.assert_array_equal(np.asarray(getattr(s.cache, f.name)), np.asarray(getattr(ref.cache, f.name)),
+                                      err_msg=f.name)
+    want = (ref.generate(4), ref.feed(b), ref.generate(4))
+    assert (s.generate(4), s.feed(b), s.generate(4)) == want
+    # anything in the tail (here one bit of a key in an unused slot) keeps the whole store
+    fields = {f.name: np.array(getattr(ref.cache, f.name)) for f in dataclasses.fields(ref.cache)}
+    used = cold_slots_in_use(fields, spec)
+    assert 0 < used < spec.cold_slots
+    fields["cold_k"][0, 0, 0, -1, 0] = -0.0
+    assert cold_slots_in_use(fields, spec) == spec.cold_slots
+
+
 @pytest.mark.parametrize("score", ["mean", "max"])
 def test_the_generation_loop_copies_no_whole_store(score):
     """The compiled generation loop with recall copies neither the cold store nor all layers' page summaries

@@ -30,6 +30,16 @@ DEMO_TURNS = (
 
 DTYPES = ("float32", "bfloat16")
 
+# decode.py's recall tier under rsqr when --recall-pages is not given: on, because without it the demo's
+# closing question is lost with the window (README; docs/recall_tier.md section 5). Other policies keep
+# their published behaviour (off).
+DEFAULT_RECALL_PAGES = 4
+
+
+def default_recall_pages(policy: str) -> int:
+    """Recall pages decode.py uses for `policy` when --recall-pages is not given."""
+    return DEFAULT_RECALL_PAGES if policy == "rsqr" else 0
+
 
 class ChatFeed:
     """Turns a growing conversation into the exact text still to feed, via the model's chat template."""
