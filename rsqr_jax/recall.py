@@ -15,7 +15,7 @@ from pallas_kernels.rope import rope_cos_sin, rotate_half_split
 from rsqr_jax.policy import order_index
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages", "neighbors"],
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages", "neighbors", "shortlist"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel"])
 @dataclasses.dataclass(frozen=True)
 class Recall:
@@ -24,7 +24,8 @@ class Recall:
     global positions (for deduplication and ranks); q_global_C / q_real_C: the chunk's positions and
     which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
     max_pages (static): pages chosen per layer (0 = no recall in this compilation); neighbors (static): pages
-    on each side of a chosen page gathered with it."""
+    on each side of a chosen page gathered with it; shortlist (static): with the "shortlist" rule, how many
+    pages of best mean key are rescored by their best token."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -34,6 +35,7 @@ class Recall:
     in_kernel: jax.Array
     max_pages: int = 0
     neighbors: int = 0
+    shortlist: int = 0  # static: pages the "shortlist" rule rescores (0 = another rule)
 
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
@@ -52,9 +54,7 @@ def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, in
     q_BxCxKxGxD = q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
     count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
     if k_glob_BxHkvxNcxD is not None:
-        s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxKxGxD, k_glob_BxHkvxNcxD, precision=jax.lax.Precision.HIGHEST)
-        s = jnp.where(recall.q_real_C[None, :, None, None, None] & recall.token_valid_Nc, s, -jnp.inf)
-        return jnp.max(s.reshape(s.shape[:4] + (n_pages, Pg)), axis=(1, 2, 3, 5))  # [B, Pg]
+        return _best_token(q_BxCxKxGxD, k_glob_BxHkvxNcxD, recall.token_valid_Nc[None], recall.q_real_C, Pg)
     if lo_BxHkvxPgxD is None:
         mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
         s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxKxGxD, mean, precision=jax.lax.Precision.HIGHEST)
@@ -67,6 +67,36 @@ def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, in
     s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
     valid_Pg = jnp.any(recall.token_valid_Nc.reshape(n_pages, Pg), axis=1)
     return jnp.where(valid_Pg[None], s, -jnp.inf)
+
+
+def _best_token(q_BxCxKxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.Array:
+    """max over each run of Pg keys (a page) of q . k, over real rows and all heads; [B, N / Pg] (-inf for a
+    page with no valid key)."""
+    s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxKxGxD, k_BxHkvxNxD, precision=jax.lax.Precision.HIGHEST)
+    s = jnp.where(q_real_C[None, :, None, None, None] & valid_BxN[:, None, None, None, :], s, -jnp.inf)
+    return jnp.max(s.reshape(s.shape[:4] + (s.shape[4] // Pg, Pg)), axis=(1, 2, 3, 5))
+
+
+def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, inv_freq, gather_k) -> jax.Array:
+    """The "shortlist" rule: the recall.shortlist pages of best mean key (page_scores' "mean"), each rescored
+    by its best recallable token, max q . k, from its raw keys (gather_k(slots_BxR) -> [B, Hkv, R, D]) rotated
+    at their global positions; every other page -inf. The "max" rule's answer whenever its top pages are on
+    the shortlist, at O(store / page + shortlist * page) per step and no scoring copy (docs/recall_tier.md)."""
+    B, C, Hq, D = q_BxCxHqxD.shape
+    n_pages = mean_scores_BxPg.shape[1]
+    Pg, M = cold_pos_Nc.shape[0] // n_pages, recall.shortlist
+    idx, listed = choose_pages(mean_scores_BxPg, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
+    slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
+    k_BxHkvxRxD = gather_k(slots_BxR).astype(jnp.float32)
+    cos, sin = rope_cos_sin(cold_pos_Nc[slots_BxR], inv_freq)  # [B, R, D/2]
+    k_rot = rotate_half_split(k_BxHkvxRxD, cos[:, None], sin[:, None])
+    qc, qs = rope_cos_sin(recall.q_global_C, inv_freq)
+    q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), qc[:, None], qs[:, None])
+    Hkv = k_rot.shape[1]
+    best_BxM = _best_token(q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_rot, recall.token_valid_Nc[slots_BxR],
+                           recall.q_real_C, Pg)
+    rows = jnp.arange(B)[:, None]
+    return jnp.full((B, n_pages), -jnp.inf, jnp.float32).at[rows, idx].set(jnp.where(listed, best_BxM, -jnp.inf))
 
 
 def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax.Array, jax.Array]:
@@ -103,15 +133,17 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_gl
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
     and cold_k_glob [B, Hkv, Nc or 0, D] its scoring copy of the keys (the rule: "max" with a copy, else
-    "quest" with lo/hi pages, else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
+    "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
     that is also an attended survivor, or on a page gathered twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages
     quest = (cold_lo, cold_hi) if cold_lo.shape[2] else (None, None)
     k_glob = cold_k_glob if cold_k_glob.shape[2] else None
-    idx, active = choose_pages(page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob),
-                               cold_pos_Nc, recall.k_pages, K)
+    scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
+    if recall.shortlist:
+        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0])
+    idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, K)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)
     M = idx.shape[1]

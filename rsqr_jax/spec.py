@@ -17,7 +17,11 @@ from rsqr_jax.policy import Policy, PolicyError
 # over the page's per-channel key minimum and maximum; "max": the page's best token, max over its keys of
 # q . k, exact (it keeps every cold key rotated at its global position, a float32 scoring copy, and scores
 # the whole store every step: O(store) per step where the summaries are O(store / page_size)).
-PAGE_SCORES = ("mean", "quest", "max")
+# "shortlist": the SHORTLIST_PER_PAGE x max_recall_pages pages of best mean key, each rescored by its best
+# token from its raw keys rotated on the fly: "max"'s choice whenever its top pages are on the shortlist, with
+# the mean rule's storage and O(store / page_size + shortlist x page_size) work per step.
+PAGE_SCORES = ("mean", "quest", "max", "shortlist")
+SHORTLIST_PER_PAGE = 16
 # The default: "max" answers 35/40 mid-stream facts where "mean" answers 19/40 (docs/recall_tier.md), for
 # ~1.3x the per-token time of "mean" with the default 4096-token store (more for larger stores).
 DEFAULT_PAGE_SCORE = "max"
@@ -135,7 +139,15 @@ class CacheSpec:
     @property
     def recall_args(self) -> dict:
         """The static recall keywords of `update.step` / `update.plan_step` for this spec."""
-        return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.recall_neighbors}
+        return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.recall_neighbors,
+                "recall_shortlist": self.shortlist_pages}
+
+    @property
+    def shortlist_pages(self) -> int:
+        """Pages the "shortlist" rule rescores per layer and step (0 under the other rules)."""
+        if self.page_score != "shortlist" or not self.max_recall_pages:
+            return 0
+        return min(SHORTLIST_PER_PAGE * self.max_recall_pages, self.cold_slots // self.page_size)
 
     @classmethod
     def for_policies(cls, policies: Policy | list[Policy], *, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -68,7 +68,7 @@ def test_recall_pages_zero_equals_plain_rsqr():
 
 @pytest.mark.parametrize("mode,chunk,neighbors,score", [("rsqr", 1, 0, "mean"), ("rsqr", 4, 1, "mean"),
                                                          ("streamingllm", 1, 0, "mean"), ("streamingllm", 4, 0, "mean"),
-                                                         ("rsqr", 4, 0, "max")])
+                                                         ("rsqr", 4, 0, "max"), ("rsqr", 4, 0, "shortlist")])
 def test_recalling_every_evicted_token_equals_full(mode, chunk, neighbors, score):
     """(neighbors = 1: every page also brings both neighbours, so each token is gathered up to three times;
     the equality holds only if each counts once. score = max: the rule with a scoring copy of the keys.)"""
@@ -192,6 +192,60 @@ def test_max_rule_scores_each_page_by_its_best_recallable_token():
     mean, best = (spec_for([pol], 0, cold=64, score=r) for r in ("mean", "max"))
     extra = best.bytes_by_part()["cold_store"] - mean.bytes_by_part()["cold_store"]
     assert extra == best.cold_slots * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
+
+
+def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token():
+    """page_score "shortlist" against numpy: the M pages of best mean key (ties to the newer page) are scored
+    by their best recallable token, q . R_g k from the raw keys, every other page is -inf; with every page on
+    the shortlist it is the "max" rule exactly."""
+    from rsqr_jax.recall import shortlist_scores
+
+    rng = np.random.default_rng(_seed("shortlist"))
+    B, C, Hq, Hkv, D, n_pages, Pg, M = 2, 2, 4, 2, 8, 7, 3, 3
+    q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
+    k_raw = rng.normal(size=(B, Hkv, n_pages * Pg, D)).astype(np.float32)
+    cold_pos = (np.arange(n_pages * Pg) + 40).astype(np.int32)
+    cold_pos[-2:] = -1  # the newest page is partly written
+    valid = (cold_pos >= 0) & (rng.random(n_pages * Pg) < 0.8)
+    valid[Pg:2 * Pg] = False  # page 1: nothing recallable
+    q_global, real = np.array([90, 91], np.int32), np.array([True, True])
+    inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+
+    def rot(x, pos):  # numpy RoPE (rotate_half) at positions pos [N] of x [..., N, D], float64
+        ang = pos[:, None].astype(np.float64) * inv.astype(np.float64)[None]
+        c, s = np.cos(ang), np.sin(ang)
+        x1, x2 = x[..., :D // 2].astype(np.float64), x[..., D // 2:].astype(np.float64)
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    k_glob = rot(k_raw, cold_pos)
+    cold_sum = np.where((cold_pos >= 0)[:, None], k_glob, 0).reshape(B, Hkv, n_pages, Pg, D).sum(3)
+    q_rot = np.swapaxes(rot(np.swapaxes(q, 1, 2), q_global), 1, 2).reshape(B, C, Hkv, Hq // Hkv, D)
+    rc = lambda m: Recall(jnp.int32(2), jnp.asarray(valid), jnp.zeros((1,), jnp.int32), jnp.asarray(q_global),  # noqa: E731
+                          jnp.asarray(real), jnp.asarray(True), 2, shortlist=m)
+    args = (jnp.asarray(q), jnp.asarray(cold_sum, jnp.float32), jnp.asarray(cold_pos))
+    mean = page_scores(*args, rc(M), jnp.asarray(inv))
+    gather_k = lambda slots: jnp.asarray(k_raw)[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None],  # noqa: E731
+                                                slots[:, None, :]]
+    got = np.asarray(shortlist_scores(args[0], mean, args[2], rc(M), jnp.asarray(inv), gather_k))
+    tok = np.einsum("bckgd,bknd->bckgn", q_rot, k_glob).max(axis=(1, 2, 3))  # [B, N]
+    best = np.where(valid, tok, -np.inf).reshape(B, n_pages, Pg).max(-1)
+    newest = cold_pos.reshape(n_pages, Pg).max(1)
+    for b in range(B):
+        m = np.asarray(mean)[b]
+        listed = sorted((p for p in range(n_pages) if m[p] > -np.inf), key=lambda p: (-m[p], -newest[p]))[:M]
+        want = np.full(n_pages, -np.inf)
+        want[listed] = best[b, listed]
+        np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-5)
+        assert np.isneginf(got[b, 1]) and (np.isfinite(got[b]).sum() == M)
+    # every page listed: the "max" rule
+    every = np.asarray(shortlist_scores(args[0], mean, args[2], rc(n_pages), jnp.asarray(inv), gather_k))
+    exact = np.asarray(page_scores(*args, rc(0), jnp.asarray(inv), None, None, jnp.asarray(k_glob, jnp.float32)))
+    np.testing.assert_allclose(every, exact, rtol=1e-5, atol=1e-5)
+    # the rule keeps the mean rule's storage: no scoring copy
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    mean_spec, short_spec = (spec_for([pol], 0, cold=256, score=r) for r in ("mean", "shortlist"))
+    assert short_spec.bytes_by_part() == mean_spec.bytes_by_part() and short_spec.shortlist_pages == 32
+    assert spec_for([pol], 0, cold=64, score="shortlist").shortlist_pages == 20  # at most every page
 
 
 def test_neighbours_are_the_adjacent_pages_in_time_each_once():
@@ -454,7 +508,7 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
         np.testing.assert_array_equal(np.asarray(getattr(s.cache, f)), np.asarray(getattr(ref.cache, f)), err_msg=f)
 
 
-@pytest.mark.parametrize("score", ["mean", "max", "quest"])
+@pytest.mark.parametrize("score", ["mean", "max", "quest", "shortlist"])
 def test_a_session_file_holds_only_the_cold_slots_in_use(tmp_path, score):
     """A store that has not wrapped is written up to its last used page (the rest is exactly init_cache's),
     read back bit for bit, and the resumed session continues as if never saved; a store whose "empty" tail
@@ -495,7 +549,7 @@ def test_a_session_file_holds_only_the_cold_slots_in_use(tmp_path, score):
     assert cold_slots_in_use(fields, spec) == spec.cold_slots
 
 
-@pytest.mark.parametrize("score", ["mean", "max"])
+@pytest.mark.parametrize("score", ["mean", "max", "shortlist"])
 def test_the_generation_loop_copies_no_whole_store(score):
     """The compiled generation loop with recall copies neither the cold store nor all layers' page summaries
     (nor the "max" rule's scoring copy) per step (XLA did, 2 x L summary copies per layer, when recall read
