@@ -88,12 +88,19 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, 
     idx, listed = choose_pages(mean_scores_BxPg, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
     slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
     k_BxHkvxRxD = gather_k(slots_BxR).astype(jnp.float32)
-    cos, sin = rope_cos_sin(cold_pos_Nc[slots_BxR], inv_freq)  # [B, R, D/2]
+    # A page holds consecutive positions base + j (written in one pass; older remnants are invalid), so the
+    # angles are those of the page's base plus a constant offset table: M x D/2 transcendentals, not M x Pg x D/2.
+    base_BxM = cold_pos_Nc[idx * Pg]
+    cb, sb = rope_cos_sin(base_BxM, inv_freq)  # [B, M, D/2]
+    cj, sj = rope_cos_sin(jnp.arange(Pg, dtype=jnp.int32), inv_freq)  # [Pg, D/2]
+    cos = (cb[:, :, None] * cj - sb[:, :, None] * sj).reshape(B, M * Pg, -1)
+    sin = (sb[:, :, None] * cj + cb[:, :, None] * sj).reshape(B, M * Pg, -1)
     k_rot = rotate_half_split(k_BxHkvxRxD, cos[:, None], sin[:, None])
+    in_page = cold_pos_Nc[slots_BxR] == (base_BxM[:, :, None] + jnp.arange(Pg)).reshape(B, M * Pg)
     qc, qs = rope_cos_sin(recall.q_global_C, inv_freq)
     q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), qc[:, None], qs[:, None])
     Hkv = k_rot.shape[1]
-    best_BxM = _best_token(q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_rot, recall.token_valid_Nc[slots_BxR],
+    best_BxM = _best_token(q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_rot, recall.token_valid_Nc[slots_BxR] & in_page,
                            recall.q_real_C, Pg)
     rows = jnp.arange(B)[:, None]
     return jnp.full((B, n_pages), -jnp.inf, jnp.float32).at[rows, idx].set(jnp.where(listed, best_BxM, -jnp.inf))
