@@ -77,30 +77,27 @@ def _best_token(q_BxCxKxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.A
     return jnp.max(s.reshape(s.shape[:4] + (s.shape[4] // Pg, Pg)), axis=(1, 2, 3, 5))
 
 
-def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, inv_freq, gather_k) -> jax.Array:
+def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, inv_freq, gather_k,
+                     cold_rope_NcxD) -> jax.Array:
     """The "shortlist" rule: the recall.shortlist pages of best mean key (page_scores' "mean"), each rescored
     by its best recallable token, max q . k, from its raw keys (gather_k(slots_BxR) -> [B, Hkv, R, D]) rotated
-    at their global positions; every other page -inf. The "max" rule's answer whenever its top pages are on
-    the shortlist, at O(store / page + shortlist * page) per step and no scoring copy (docs/recall_tier.md)."""
+    at their global positions (cos | sin of each slot's angles: cold_rope_NcxD); every other page -inf. The
+    "max" rule's answer whenever its top pages are on the shortlist, at O(store / page + shortlist * page)
+    per step and no scoring copy (docs/recall_tier.md)."""
     B, C, Hq, D = q_BxCxHqxD.shape
     n_pages = mean_scores_BxPg.shape[1]
     Pg, M = cold_pos_Nc.shape[0] // n_pages, recall.shortlist
     idx, listed = choose_pages(mean_scores_BxPg, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
     slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
     k_BxHkvxRxD = gather_k(slots_BxR).astype(jnp.float32)
-    # A page holds consecutive positions base + j (written in one pass; older remnants are invalid), so the
-    # angles are those of the page's base plus a constant offset table: M x D/2 transcendentals, not M x Pg x D/2.
-    base_BxM = cold_pos_Nc[idx * Pg]
-    cb, sb = rope_cos_sin(base_BxM, inv_freq)  # [B, M, D/2]
-    cj, sj = rope_cos_sin(jnp.arange(Pg, dtype=jnp.int32), inv_freq)  # [Pg, D/2]
-    cos = (cb[:, :, None] * cj - sb[:, :, None] * sj).reshape(B, M * Pg, -1)
-    sin = (sb[:, :, None] * cj + cb[:, :, None] * sj).reshape(B, M * Pg, -1)
-    k_rot = rotate_half_split(k_BxHkvxRxD, cos[:, None], sin[:, None])
-    in_page = cold_pos_Nc[slots_BxR] == (base_BxM[:, :, None] + jnp.arange(Pg)).reshape(B, M * Pg)
+    # Angles read from a table written with the keys: computing them here, per layer, even from the page bases,
+    # made the rule 2.4x slower on XLA:CPU (small ops in the layer loop; docs/recall_tier.md).
+    rope_BxRxD = cold_rope_NcxD[slots_BxR]
+    k_rot = rotate_half_split(k_BxHkvxRxD, rope_BxRxD[:, None, :, :D // 2], rope_BxRxD[:, None, :, D // 2:])
     qc, qs = rope_cos_sin(recall.q_global_C, inv_freq)
     q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), qc[:, None], qs[:, None])
     Hkv = k_rot.shape[1]
-    best_BxM = _best_token(q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_rot, recall.token_valid_Nc[slots_BxR] & in_page,
+    best_BxM = _best_token(q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_rot, recall.token_valid_Nc[slots_BxR],
                            recall.q_real_C, Pg)
     rows = jnp.arange(B)[:, None]
     return jnp.full((B, n_pages), -jnp.inf, jnp.float32).at[rows, idx].set(jnp.where(listed, best_BxM, -jnp.inf))
@@ -134,13 +131,14 @@ def with_neighbors(idx_BxK, active_BxK, cold_pos_Nc, n_pages: int, n: int) -> tu
     return pages, act & ~dup
 
 
-def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_glob, cold_pos_Nc, recall: Recall,
-                    surv_valid_S, inv_freq):
+def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_glob, cold_rope, cold_pos_Nc,
+                    recall: Recall, surv_valid_S, inv_freq):
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
     and cold_k_glob [B, Hkv, Nc or 0, D] its scoring copy of the keys (the rule: "max" with a copy, else
-    "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
+    "quest" with lo/hi pages, else "shortlist" if recall.shortlist (with cold_rope [Nc, D], the slots' angles),
+    else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
     that is also an attended survivor, or on a page gathered twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
@@ -149,7 +147,8 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_gl
     k_glob = cold_k_glob if cold_k_glob.shape[2] else None
     scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
     if recall.shortlist:
-        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0])
+        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0],
+                                  cold_rope)
     idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, K)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)
