@@ -17,10 +17,8 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
   (the page summary that recall scores), cold_lo / cold_hi their per-channel minimum and maximum (only
   for CacheSpec.page_score "quest"), cold_k_glob [L, B, Hkv, Nc or 0, D] float32 every cold key rotated at
-  its global position (only for page_score "max": scoring, never attended), cold_rope [Nc or 0, D] float32
-  the cos and sin halves of each slot's global-position angles (only for page_score "shortlist", which
-  rotates its shortlisted raw keys with them: shared by all layers and rows, like the positions), cold_pos
-  each slot's global position (-1 = empty). A token is
+  its global position (only for page_score "max": scoring, never attended), cold_pos each slot's global
+  position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
 
 Positions are shared by all layers and all batch rows (every row advances in lockstep), so they are
@@ -78,7 +76,6 @@ class KVCache:
     cold_lo: jax.Array
     cold_hi: jax.Array
     cold_k_glob: jax.Array
-    cold_rope: jax.Array
     cold_pos: jax.Array
     t: jax.Array
     start: jax.Array
@@ -114,13 +111,12 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         cold_lo=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_hi=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, D), jnp.float32),
-        cold_rope=jnp.zeros((Nc if spec.page_score == "shortlist" else 0, D), jnp.float32),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
 
 
 # The cold store's fields by the axis that counts its ring slots, or its pages (one page = page_size slots).
-COLD_SLOT_AXES = {"cold_k": 3, "cold_v": 3, "cold_k_glob": 3, "cold_rope": 0, "cold_pos": 0}
+COLD_SLOT_AXES = {"cold_k": 3, "cold_v": 3, "cold_k_glob": 3, "cold_pos": 0}
 COLD_PAGE_AXES = {"cold_sum": 3, "cold_lo": 3, "cold_hi": 3}
 
 

@@ -77,28 +77,33 @@ def _best_token(q_BxCxKxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.A
     return jnp.max(s.reshape(s.shape[:4] + (s.shape[4] // Pg, Pg)), axis=(1, 2, 3, 5))
 
 
-def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, inv_freq, gather_k,
-                     cold_rope_NcxD) -> jax.Array:
+def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, inv_freq, gather_k) -> jax.Array:
     """The "shortlist" rule: the recall.shortlist pages of best mean key (page_scores' "mean"), each rescored
     by its best recallable token, max q . k, from its raw keys (gather_k(slots_BxR) -> [B, Hkv, R, D]) rotated
-    at their global positions (cos | sin of each slot's angles: cold_rope_NcxD); every other page -inf. The
-    "max" rule's answer whenever its top pages are on the shortlist, at O(store / page + shortlist * page)
-    per step and no scoring copy (docs/recall_tier.md)."""
+    at their global positions; every other page -inf. The "max" rule's answer whenever its top pages are on
+    the shortlist, at O(store / page + shortlist * page) per step and no scoring copy (docs/recall_tier.md)."""
     B, C, Hq, D = q_BxCxHqxD.shape
     n_pages = mean_scores_BxPg.shape[1]
     Pg, M = cold_pos_Nc.shape[0] // n_pages, recall.shortlist
     idx, listed = choose_pages(mean_scores_BxPg, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
     slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
-    k_BxHkvxRxD = gather_k(slots_BxR).astype(jnp.float32)
-    # Angles read from a table written with the keys: computing them here, per layer, even from the page bases,
-    # made the rule 2.4x slower on XLA:CPU (small ops in the layer loop; docs/recall_tier.md).
-    rope_BxRxD = cold_rope_NcxD[slots_BxR]
-    k_rot = rotate_half_split(k_BxHkvxRxD, rope_BxRxD[:, None, :, :D // 2], rope_BxRxD[:, None, :, D // 2:])
-    qc, qs = rope_cos_sin(recall.q_global_C, inv_freq)
-    q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), qc[:, None], qs[:, None])
+    k_BxHkvxMxPxD = gather_k(slots_BxR).astype(jnp.float32).reshape(B, -1, M, Pg, D)
+    # A page holds consecutive positions base + j (written in one pass; older remnants are invalid), so
+    # (R_t q) . (R_{base+j} k) = (R_{t-base} q) . (R_j k): the query turns once per page and row, the keys
+    # only by the constant within-page offsets j (XLA:CPU folds that table; per-key angles made the rule 2x
+    # slower, docs/recall_tier.md).
+    base_BxM = cold_pos_Nc[idx * Pg]
+    cj, sj = rope_cos_sin(jnp.arange(Pg, dtype=jnp.int32), inv_freq)  # [Pg, D/2]
+    k_rot = rotate_half_split(k_BxHkvxMxPxD, cj, sj)
+    cq, sq = rope_cos_sin(recall.q_global_C[None, :, None] - base_BxM[:, None, :], inv_freq)  # [B, C, M, D/2]
+    q_BxCxMxHqxD = rotate_half_split(q_BxCxHqxD[:, :, None].astype(jnp.float32), cq[:, :, :, None], sq[:, :, :, None])
     Hkv = k_rot.shape[1]
-    best_BxM = _best_token(q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_rot, recall.token_valid_Nc[slots_BxR],
-                           recall.q_real_C, Pg)
+    q6 = q_BxCxMxHqxD.reshape(B, C, M, Hkv, Hq // Hkv, D)
+    s_ = jnp.einsum("bcmkgd,bkmjd->bckgmj", q6, k_rot, precision=jax.lax.Precision.HIGHEST)
+    in_page = cold_pos_Nc[slots_BxR] == (base_BxM[:, :, None] + jnp.arange(Pg)).reshape(B, M * Pg)
+    ok_BxR = recall.token_valid_Nc[slots_BxR] & in_page
+    s_ = jnp.where(recall.q_real_C[None, :, None, None, None, None] & ok_BxR.reshape(B, 1, 1, 1, M, Pg), s_, -jnp.inf)
+    best_BxM = jnp.max(s_, axis=(1, 2, 3, 5))
     rows = jnp.arange(B)[:, None]
     return jnp.full((B, n_pages), -jnp.inf, jnp.float32).at[rows, idx].set(jnp.where(listed, best_BxM, -jnp.inf))
 
@@ -131,14 +136,13 @@ def with_neighbors(idx_BxK, active_BxK, cold_pos_Nc, n_pages: int, n: int) -> tu
     return pages, act & ~dup
 
 
-def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_glob, cold_rope, cold_pos_Nc,
-                    recall: Recall, surv_valid_S, inv_freq):
+def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_glob, cold_pos_Nc, recall: Recall,
+                    surv_valid_S, inv_freq):
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
     and cold_k_glob [B, Hkv, Nc or 0, D] its scoring copy of the keys (the rule: "max" with a copy, else
-    "quest" with lo/hi pages, else "shortlist" if recall.shortlist (with cold_rope [Nc, D], the slots' angles),
-    else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
+    "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
     that is also an attended survivor, or on a page gathered twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
@@ -147,8 +151,7 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_gl
     k_glob = cold_k_glob if cold_k_glob.shape[2] else None
     scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
     if recall.shortlist:
-        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0],
-                                  cold_rope)
+        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0])
     idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, K)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)

@@ -196,8 +196,7 @@ class CacheSpec:
             "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1) * 4,
             "cold_store": self.cold_slots * (self.entry_bytes + 4)
             + (self.cold_slots // self.page_size) * summary_bytes * (3 if self.page_score == "quest" else 1)
-            + (self.cold_slots * summary_bytes if self.page_score == "max" else 0)  # the float32 scoring copy
-            + (self.cold_slots * self.head_dim * 4 if self.page_score == "shortlist" else 0),  # its angle table
+            + (self.cold_slots * summary_bytes if self.page_score == "max" else 0),  # the float32 scoring copy
         }
         out["total"] = sum(out.values())
         # Working memory of the recalled tokens of one layer (gathered per step; not part of the stored cache).

@@ -351,9 +351,8 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
     the stored key stays raw. A restarted page's summary starts afresh.
 
-    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], its
-    scoring copy of the keys [B, Hkv, Nc, D] (the "max" rule; empty otherwise) and the slots' angle table
-    cold_rope [Nc, D] (the "shortlist" rule; empty otherwise), which recall scores with. The
+    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], and its
+    scoring copy of the keys [B, Hkv, Nc, D] (the "max" rule; empty otherwise), which recall scores. The
     layer's summary is read once, updated at the chunk's pages and written back whole: had recall
     read the [L, ...] buffer after a scatter into it, XLA's fusion inside the generation loop would keep
     the pre-scatter buffer alive and copy all layers' summaries twice per layer (5.7 GB per token for
@@ -386,10 +385,7 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
         out["cold_k_glob"] = _set(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
         B, Nc = cache.cold_k_glob.shape[1], cache.cold_k_glob.shape[3]
         k_glob = _layer_slots(out["cold_k_glob"], layer, jnp.broadcast_to(jnp.arange(Nc), (B, Nc)))
-    if cache.cold_rope.shape[0]:  # the "shortlist" rule's angles of each slot (every layer writes the same rows)
-        cos_CxF, sin_CxF = rope_cos_sin(plan.recall.q_global_C, inv_freq)
-        out["cold_rope"] = cache.cold_rope.at[wr.cold_slot_C].set(jnp.concatenate([cos_CxF, sin_CxF], -1), mode="drop")
-    return cache.replace(**out), (layer_sum, lo, hi, k_glob, out.get("cold_rope", cache.cold_rope))
+    return cache.replace(**out), (layer_sum, lo, hi, k_glob)
 
 
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,

@@ -226,9 +226,7 @@ def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token():
     mean = page_scores(*args, rc(M), jnp.asarray(inv))
     gather_k = lambda slots: jnp.asarray(k_raw)[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None],  # noqa: E731
                                                 slots[:, None, :]]
-    ang = cold_pos[:, None].astype(np.float64) * inv.astype(np.float64)[None]
-    rope = jnp.asarray(np.concatenate([np.cos(ang), np.sin(ang)], -1), jnp.float32)  # what _write_cold keeps
-    got = np.asarray(shortlist_scores(args[0], mean, args[2], rc(M), jnp.asarray(inv), gather_k, rope))
+    got = np.asarray(shortlist_scores(args[0], mean, args[2], rc(M), jnp.asarray(inv), gather_k))
     tok = np.einsum("bckgd,bknd->bckgn", q_rot, k_glob).max(axis=(1, 2, 3))  # [B, N]
     best = np.where(valid, tok, -np.inf).reshape(B, n_pages, Pg).max(-1)
     newest = cold_pos.reshape(n_pages, Pg).max(1)
@@ -240,14 +238,13 @@ def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token():
         np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-5)
         assert np.isneginf(got[b, 1]) and (np.isfinite(got[b]).sum() == M)
     # every page listed: the "max" rule
-    every = np.asarray(shortlist_scores(args[0], mean, args[2], rc(n_pages), jnp.asarray(inv), gather_k, rope))
+    every = np.asarray(shortlist_scores(args[0], mean, args[2], rc(n_pages), jnp.asarray(inv), gather_k))
     exact = np.asarray(page_scores(*args, rc(0), jnp.asarray(inv), None, None, jnp.asarray(k_glob, jnp.float32)))
     np.testing.assert_allclose(every, exact, rtol=1e-5, atol=1e-5)
-    # the rule keeps the mean rule's storage and one angle table shared by all layers: no scoring copy
+    # the rule keeps the mean rule's storage: no scoring copy
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     mean_spec, short_spec = (spec_for([pol], 0, cold=256, score=r) for r in ("mean", "shortlist"))
-    extra = short_spec.bytes_by_part()["cold_store"] - mean_spec.bytes_by_part()["cold_store"]
-    assert extra == short_spec.cold_slots * CFG.head_dim * 4 and short_spec.shortlist_pages == 32  # the angle table
+    assert short_spec.bytes_by_part() == mean_spec.bytes_by_part() and short_spec.shortlist_pages == 32
     assert spec_for([pol], 0, cold=64, score="shortlist").shortlist_pages == 20  # at most every page
 
 
@@ -301,8 +298,8 @@ def test_one_compilation_per_spec_and_recall_settings_vmap():
 
 def test_a_shortlist_of_every_page_recalls_what_the_max_rule_recalls():
     """End to end on the tiny model (a wrapped ring, chunks of 4): "shortlist" with every page on its shortlist
-    gives the "max" rule's log-probabilities (its raw keys rotated with the angle table as written, against the
-    max rule's scoring copy), and its angle table holds cos | sin of each used slot's global position."""
+    gives the "max" rule's log-probabilities (its raw keys rotated at their global positions on the fly,
+    against the max rule's scoring copy rotated when written)."""
     T = 90
     tokens = np.random.default_rng(_seed("shortlist-e2e")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
@@ -311,17 +308,6 @@ def test_a_shortlist_of_every_page_recalls_what_the_max_rule_recalls():
     got = {r: nll(pol, tokens, sp, chunk=4) for r, sp in spec.items()}
     np.testing.assert_allclose(got["shortlist"], got["max"], atol=5e-5, rtol=0)
     assert np.abs(got["mean"] - got["max"]).max() > 1e-3  # the rule matters on this stream: not vacuous
-    from rsqr_jax.session import Session
-
-    apply_fn, params = _model(0)
-    s = Session(apply_fn, params, spec["shortlist"], pol, prefill_chunk=4, vocab_size=CFG.vocab_size)
-    s.feed(tokens[0])
-    pos, rope = np.asarray(s.cache.cold_pos), np.asarray(s.cache.cold_rope)
-    used = pos >= 0
-    assert used.sum() > 32 and pos.max() > spec["shortlist"].cold_slots  # the ring wrapped
-    inv = (1.0 / CFG.rope_theta ** (np.arange(0, CFG.head_dim, 2) / CFG.head_dim))
-    ang = pos[used, None].astype(np.float64) * inv[None]
-    np.testing.assert_allclose(rope[used], np.concatenate([np.cos(ang), np.sin(ang)], -1), atol=2e-6)
 
 
 def test_bfloat16_cache_with_recall_tracks_float32():
