@@ -87,19 +87,27 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, 
     Pg, M = cold_pos_Nc.shape[0] // n_pages, recall.shortlist
     idx, listed = choose_pages(mean_scores_BxPg, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
     slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
-    k_BxHkvxMxPxD = gather_k(slots_BxR).astype(jnp.float32).reshape(B, -1, M, Pg, D)
-    # A page holds consecutive positions base + j (written in one pass; older remnants are invalid), so
-    # (R_t q) . (R_{base+j} k) = (R_{t-base} q) . (R_j k): the query turns once per page and row, the keys
-    # only by the constant within-page offsets j (XLA:CPU folds that table; per-key angles made the rule 2x
-    # slower, docs/recall_tier.md).
+    k_BxHkvxRxD = gather_k(slots_BxR).astype(jnp.float32)
+    Hkv = k_BxHkvxRxD.shape[1]
     base_BxM = cold_pos_Nc[idx * Pg]
-    cj, sj = rope_cos_sin(jnp.arange(Pg, dtype=jnp.int32), inv_freq)  # [Pg, D/2]
-    k_rot = rotate_half_split(k_BxHkvxMxPxD, cj, sj)
-    cq, sq = rope_cos_sin(recall.q_global_C[None, :, None] - base_BxM[:, None, :], inv_freq)  # [B, C, M, D/2]
-    q_BxCxMxHqxD = rotate_half_split(q_BxCxHqxD[:, :, None].astype(jnp.float32), cq[:, :, :, None], sq[:, :, :, None])
-    Hkv = k_rot.shape[1]
-    q6 = q_BxCxMxHqxD.reshape(B, C, M, Hkv, Hq // Hkv, D)
-    s_ = jnp.einsum("bcmkgd,bkmjd->bckgmj", q6, k_rot, precision=jax.lax.Precision.HIGHEST)
+    if C * Hq <= Pg * Hkv:
+        # Decode: a page holds consecutive positions base + j (written in one pass; older remnants are invalid),
+        # so (R_t q) . (R_{base+j} k) = (R_{t-base} q) . (R_j k): the query turns once per page, the keys only by
+        # the constant within-page offsets j (XLA:CPU folds that table; per-key angles made this rule 2x slower
+        # per token, docs/recall_tier.md).
+        cj, sj = rope_cos_sin(jnp.arange(Pg, dtype=jnp.int32), inv_freq)  # [Pg, D/2]
+        k_rot = rotate_half_split(k_BxHkvxRxD.reshape(B, Hkv, M, Pg, D), cj, sj)
+        cq, sq = rope_cos_sin(recall.q_global_C[None, :, None] - base_BxM[:, None, :], inv_freq)  # [B, C, M, D/2]
+        q_rot = rotate_half_split(q_BxCxHqxD[:, :, None].astype(jnp.float32), cq[:, :, :, None], sq[:, :, :, None])
+        s_ = jnp.einsum("bcmkgd,bkmjd->bckgmj", q_rot.reshape(B, C, M, Hkv, Hq // Hkv, D), k_rot,
+                        precision=jax.lax.Precision.HIGHEST)
+    else:  # a chunk's many rows: turning the query per page would cost more than turning each key once
+        ck, sk = rope_cos_sin(cold_pos_Nc[slots_BxR], inv_freq)  # [B, R, D/2]
+        k_rot = rotate_half_split(k_BxHkvxRxD, ck[:, None], sk[:, None])
+        cq, sq = rope_cos_sin(recall.q_global_C, inv_freq)
+        q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), cq[:, None], sq[:, None])
+        s_ = jnp.einsum("bckgd,bknd->bckgn", q_rot.reshape(B, C, Hkv, Hq // Hkv, D), k_rot,
+                        precision=jax.lax.Precision.HIGHEST).reshape(B, C, Hkv, Hq // Hkv, M, Pg)
     in_page = cold_pos_Nc[slots_BxR] == (base_BxM[:, :, None] + jnp.arange(Pg)).reshape(B, M * Pg)
     ok_BxR = recall.token_valid_Nc[slots_BxR] & in_page
     s_ = jnp.where(recall.q_real_C[None, :, None, None, None, None] & ok_BxR.reshape(B, 1, 1, 1, M, Pg), s_, -jnp.inf)

@@ -57,8 +57,10 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
     g.add_argument("--page-score", default=None, help="how pages are ranked: max (the default: the page's best "
-                   "token, exact; a float32 scoring copy of every cold key, the whole store scored each step), mean "
-                   "(the query against the page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
+                   "token, exact; a float32 scoring copy of every cold key, the whole store scored each step), "
+                   "shortlist (the best token of the 16 x K pages of best mean key: the same choices in the "
+                   "measurements, no scoring copy; for stores of 16k tokens and more), mean (the query against the "
+                   "page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
     g.add_argument("--recall-neighbors", type=int, default=0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
 

@@ -23,7 +23,7 @@ def main() -> int:
     p.add_argument("--recall-pages", type=int, default=4)
     p.add_argument("--cold-capacity", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--page-score", default=None, help="max (the default), mean or quest")
+    p.add_argument("--page-score", default=None, help="max (the default), shortlist, mean or quest")
     p.add_argument("--recall-neighbors", type=int, default=0, help="pages on each side recalled with a chosen page")
     p.add_argument("--lead-max", type=int, default=0,
                    help="0..N random filler tokens before the fact (mid-stream, any page alignment)")

@@ -194,21 +194,23 @@ def test_max_rule_scores_each_page_by_its_best_recallable_token():
     assert extra == best.cold_slots * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
 
 
-def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token():
+@pytest.mark.parametrize("C", [1, 2])  # 1 row: the query turns per page; 2: each key turns (recall.shortlist_scores)
+def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token(C):
     """page_score "shortlist" against numpy: the M pages of best mean key (ties to the newer page) are scored
     by their best recallable token, q . R_g k from the raw keys, every other page is -inf; with every page on
     the shortlist it is the "max" rule exactly."""
     from rsqr_jax.recall import shortlist_scores
 
     rng = np.random.default_rng(_seed("shortlist"))
-    B, C, Hq, Hkv, D, n_pages, Pg, M = 2, 2, 4, 2, 8, 7, 3, 3
+    B, Hq, Hkv, D, n_pages, Pg, M = 2, 4, 2, 8, 7, 3, 3
+    assert (C * Hq <= Pg * Hkv) == (C == 1)
     q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
     k_raw = rng.normal(size=(B, Hkv, n_pages * Pg, D)).astype(np.float32)
     cold_pos = (np.arange(n_pages * Pg) + 40).astype(np.int32)
     cold_pos[-2:] = -1  # the newest page is partly written
     valid = (cold_pos >= 0) & (rng.random(n_pages * Pg) < 0.8)
     valid[Pg:2 * Pg] = False  # page 1: nothing recallable
-    q_global, real = np.array([90, 91], np.int32), np.array([True, True])
+    q_global, real = np.array([90, 91, 92][:C], np.int32), np.array([True, False, True][:C])
     inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
 
     def rot(x, pos):  # numpy RoPE (rotate_half) at positions pos [N] of x [..., N, D], float64
@@ -227,7 +229,7 @@ def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token():
     gather_k = lambda slots: jnp.asarray(k_raw)[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None],  # noqa: E731
                                                 slots[:, None, :]]
     got = np.asarray(shortlist_scores(args[0], mean, args[2], rc(M), jnp.asarray(inv), gather_k))
-    tok = np.einsum("bckgd,bknd->bckgn", q_rot, k_glob).max(axis=(1, 2, 3))  # [B, N]
+    tok = np.einsum("bckgd,bknd->bckgn", q_rot, k_glob)[:, real].max(axis=(1, 2, 3))  # [B, N]
     best = np.where(valid, tok, -np.inf).reshape(B, n_pages, Pg).max(-1)
     newest = cold_pos.reshape(n_pages, Pg).max(1)
     for b in range(B):
@@ -296,16 +298,17 @@ def test_one_compilation_per_spec_and_recall_settings_vmap():
     assert np.abs(batch[1] - batch[0]).max() > 1e-3 and np.abs(batch[2] - batch[1]).max() > 1e-3
 
 
-def test_a_shortlist_of_every_page_recalls_what_the_max_rule_recalls():
-    """End to end on the tiny model (a wrapped ring, chunks of 4): "shortlist" with every page on its shortlist
+@pytest.mark.parametrize("chunk", [1, 4])  # token by token (the query turns per page) and chunks (keys turn)
+def test_a_shortlist_of_every_page_recalls_what_the_max_rule_recalls(chunk):
+    """End to end on the tiny model (a wrapped ring): "shortlist" with every page on its shortlist
     gives the "max" rule's log-probabilities (its raw keys rotated at their global positions on the fly,
     against the max rule's scoring copy rotated when written)."""
     T = 90
     tokens = np.random.default_rng(_seed("shortlist-e2e")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
-    spec = {r: spec_for([pol], T, chunk=4, cold=64, score=r) for r in ("max", "shortlist", "mean")}
+    spec = {r: spec_for([pol], T, chunk=chunk, cold=64, score=r) for r in ("max", "shortlist", "mean")}
     assert spec["shortlist"].shortlist_pages == spec["shortlist"].cold_slots // 4  # every page
-    got = {r: nll(pol, tokens, sp, chunk=4) for r, sp in spec.items()}
+    got = {r: nll(pol, tokens, sp, chunk=chunk) for r, sp in spec.items()}
     np.testing.assert_allclose(got["shortlist"], got["max"], atol=5e-5, rtol=0)
     assert np.abs(got["mean"] - got["max"]).max() > 1e-3  # the rule matters on this stream: not vacuous
 
