@@ -587,7 +587,8 @@ def test_the_generation_loop_copies_no_whole_store(score):
     assert f"{whole[0]}" in hlo and not copies, copies
 
 
-def test_concurrent_streams_with_recall_equal_each_stream_alone():
+@pytest.mark.parametrize("score", ["mean", "shortlist"])
+def test_concurrent_streams_with_recall_equal_each_stream_alone(score):
     """The many-streams scheduler (rsqr_jax.streams) with a recalling policy: three prompts of different
     lengths on two slots (one joins a slot another left, which must reset its cold store too) give, token
     for token, what a Session gives each alone; the prompts outgrow the window so recall is exercised."""
@@ -597,7 +598,7 @@ def test_concurrent_streams_with_recall_equal_each_stream_alone():
     rng = np.random.default_rng(_seed("streams"))
     prompts = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (37, 22, 30)]
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
-    spec = spec_for([pol], 0, chunk=4, cold=32)
+    spec = spec_for([pol], 0, chunk=4, cold=32, score=score)
     apply_fn, params = _model(0)
     alone = []
     for ids in prompts:
