@@ -35,7 +35,7 @@ class Recall:
     in_kernel: jax.Array
     max_pages: int = 0
     neighbors: int = 0
-    shortlist: int = 0  # static: pages the "shortlist" rule rescores (0 = another rule)
+    shortlist: int = 0
 
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
@@ -150,8 +150,9 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_gl
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
     and cold_k_glob [B, Hkv, Nc or 0, D] its scoring copy of the keys (the rule: "max" with a copy, else
-    "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean"). R = max_pages * (1 + 2 * neighbors) * page size; a recalled token
-    that is also an attended survivor, or on a page gathered twice, counts once."""
+    "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean"). R = max_pages * (1 + 2 *
+    neighbors) * page size; a recalled token that is also an attended survivor, or on a page gathered twice,
+    counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages

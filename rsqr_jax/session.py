@@ -217,7 +217,8 @@ class Session:
         cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}
         saved = header.get("cold_slots_saved")  # absent: a file from before the cold store was cut
         if saved is not None and saved != saved_spec.cold_slots:
-            if not (isinstance(saved, int) and 0 <= saved < saved_spec.cold_slots and saved % saved_spec.page_size == 0):
+            page = saved_spec.page_size
+            if not (isinstance(saved, int) and 0 <= saved < saved_spec.cold_slots and saved % page == 0):
                 raise SessionFileError(f"{name} holds an invalid cold store length {saved!r}")
             grown = grow_cold_store({k[len("cache."):]: v for k, v in arrays.items() if k in cache_names}, saved_spec)
             arrays.update({f"cache.{k}": v for k, v in grown.items()})

@@ -21,6 +21,8 @@ from rsqr_jax.policy import Policy, PolicyError
 # token from its raw keys rotated on the fly: "max"'s choice whenever its top pages are on the shortlist, with
 # the mean rule's storage and O(store / page_size + shortlist x page_size) work per step.
 PAGE_SCORES = ("mean", "quest", "max", "shortlist")
+# Shortlisted pages per recalled page: 4, 8, 16 answered 31, 33, 35 of 40 mid-stream facts; 16 gave every answer
+# "max" gave (docs/recall_tier.md section 6).
 SHORTLIST_PER_PAGE = 16
 # The default: "max" answers 35/40 mid-stream facts where "mean" answers 19/40 (docs/recall_tier.md), for
 # ~1.3x the per-token time of "mean" with the default 4096-token store (more for larger stores).

@@ -24,7 +24,8 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr", recall_by_default: bool = False) -> None:
+def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr",
+                    recall_by_default: bool = False) -> None:
     """The policy flags; recall_by_default: --recall-pages defaults to None, which
     resolve_recall_default turns into the chat default (recall on under rsqr)."""
     g = p.add_argument_group("policy")

@@ -223,6 +223,9 @@ def test_well_formed_but_inconsistent_files_are_refused(saved, tmp_path):
     with pytest.raises(SessionFileError, match="malformed header"):
         Session.read_header(p)  # what decode.py --resume reads first
 
+    _rewrite(path, p, lambda h, a: h.update(cold_slots_saved=3))  # a cut cold store it cannot have
+    _refused(p, "invalid cold store length 3")
+
     _rewrite(path, p, lambda h, a: None)  # the unedited rewrite loads: the checks above are not vacuous
     _load(p)
 
