@@ -93,8 +93,8 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, 
     if C * Hq <= Pg * Hkv:
         # Decode: a page holds consecutive positions base + j (written in one pass; older remnants are invalid),
         # so (R_t q) . (R_{base+j} k) = (R_{t-base} q) . (R_j k): the query turns once per page, the keys only by
-        # the constant within-page offsets j (XLA:CPU folds that table; per-key angles made this rule 2x slower
-        # per token, docs/recall_tier.md).
+        # the constant within-page offsets j (XLA:CPU folds that table; in a one-layer prototype per-key angles
+        # took 1.7x as long, docs/recall_tier.md).
         cj, sj = rope_cos_sin(jnp.arange(Pg, dtype=jnp.int32), inv_freq)  # [Pg, D/2]
         k_rot = rotate_half_split(k_BxHkvxRxD.reshape(B, Hkv, M, Pg, D), cj, sj)
         cq, sq = rope_cos_sin(recall.q_global_C[None, :, None] - base_BxM[:, None, :], inv_freq)  # [B, C, M, D/2]
