@@ -120,6 +120,12 @@ COLD_SLOT_AXES = {"cold_k": 3, "cold_v": 3, "cold_k_glob": 3, "cold_pos": 0}
 COLD_PAGE_AXES = {"cold_sum": 3, "cold_lo": 3, "cold_hi": 3}
 
 
+def _cold_fields(slots: int, page_size: int):
+    """(name, axis, length along it, init_cache's fill value) of every cold field cut to `slots` slots."""
+    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
+        yield name, axis, slots if name in COLD_SLOT_AXES else slots // page_size, -1 if name == "cold_pos" else 0
+
+
 def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
     """How many leading cold slots (a multiple of the page size) hold anything: the ring fills slots 0, 1, ...
     in order until it wraps, so everything after them is still exactly as init_cache made it (checked bit
@@ -129,13 +135,10 @@ def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
         return 0
     written = np.flatnonzero(np.asarray(fields["cold_pos"]) >= 0)
     used = 0 if not len(written) else -(-(int(written[-1]) + 1) // page) * page
-    fresh = jax.eval_shape(lambda: init_cache(spec))
-    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
-        a = np.asarray(fields[name])
-        first = used if name in COLD_SLOT_AXES else used // page
-        tail = a[(slice(None),) * axis + (slice(first, None),)]
-        empty = np.full(tail.shape, -1 if name == "cold_pos" else 0, getattr(fresh, name).dtype)
-        if tail.tobytes() != empty.tobytes():
+    for name, axis, first, fill in _cold_fields(used, page):
+        tail = np.asarray(fields[name])[(slice(None),) * axis + (slice(first, None),)]
+        pristine = (tail == fill).all() if fill else not tail.view(np.uint8).any()  # bits: -0.0 is not 0
+        if not pristine:
             return nc
     return used
 
@@ -143,8 +146,7 @@ def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
 def cut_cold_store(fields: dict[str, np.ndarray], used: int, page_size: int) -> dict[str, np.ndarray]:
     """`fields` with the cold store cut to its first `used` slots (cold_slots_in_use)."""
     out = dict(fields)
-    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
-        n = used if name in COLD_SLOT_AXES else used // page_size
+    for name, axis, n, _ in _cold_fields(used, page_size):
         out[name] = fields[name][(slice(None),) * axis + (slice(0, n),)]
     return out
 
@@ -153,14 +155,14 @@ def grow_cold_store(fields: dict[str, np.ndarray], spec: CacheSpec) -> dict[str,
     """Undo cut_cold_store: each cold field padded back to its spec shape with init_cache's values."""
     fresh = jax.eval_shape(lambda: init_cache(spec))
     out = dict(fields)
-    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
+    for name, axis, _, fill in _cold_fields(spec.cold_slots, spec.page_size):
         if name not in fields:  # a file from before the field existed (the caller checks what is missing)
             continue
         a, want = fields[name], getattr(fresh, name)
         missing = want.shape[axis] - a.shape[axis]
         if missing > 0 and a.shape[:axis] + a.shape[axis + 1:] == want.shape[:axis] + want.shape[axis + 1:]:
             pad_shape = a.shape[:axis] + (missing,) + a.shape[axis + 1:]
-            out[name] = np.concatenate([a, np.full(pad_shape, -1 if name == "cold_pos" else 0, a.dtype)], axis=axis)
+            out[name] = np.concatenate([a, np.full(pad_shape, fill, a.dtype)], axis=axis)
     return out
 
 
