@@ -79,7 +79,7 @@ CONFIGS = (
     Config("gqa_d128_decode_bf16_w8", "head_dim 128 GQA decode at num_warps=8", 8, 1, 32, 8, 128, 2048, 1024,
            "bfloat16", (("num_warps", 8),)),
 )
-# The configurations that must not spill (issue 14: the SmolLM2 ones and the head_dim-128 decode).
+# The configurations that must not spill (the SmolLM2 ones and the head_dim-128 decode).
 DEFAULT = ("smollm_decode_bf16", "smollm_decode_f32", "smollm_chunk_bf16", "smollm_chunk_f32", "gqa_d128_decode_bf16")
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 

@@ -4,13 +4,17 @@ one-line-error contract (bad input -> one line on stderr, exit code 2, no traceb
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "frankenstein.txt"
+# The default text of every script: Frankenstein (Project Gutenberg #84), package data of the rsqr_jax that
+# the scripts import (rsqr_jax.data.FRANKENSTEIN; found without importing jax, so flags fail fast). The
+# experiments read it through rsqr_jax.data.read_text, which keeps only the body between the Gutenberg markers.
+DEFAULT_TEXT = Path(importlib.util.find_spec("rsqr_jax").origin).parent / "data" / "frankenstein.txt"
 
 
 class UsageError(Exception):

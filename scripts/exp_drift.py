@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Experiment 1 (issue 6), "Drift": error of keys rotated again and again (`rerotate`) against one
+"""Experiment 1, "Drift": error of keys rotated again and again (`rerotate`) against one
 rotation from raw (`rsqr` / `streamingllm`), at the key, attention and model level (what each level
 measures: rsqr_jax/experiments/drift.py).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A fact planted ~1200 tokens before its question: full vs rsqr vs rsqr + recall, greedy (issue 13's check).
+"""A fact planted ~1200 tokens before its question: full vs rsqr vs rsqr + recall, greedy.
 
     python scripts/exp_fact_probe.py --filler /usr/share/common-licenses/GPL-3 --trials 20 --out runs/fact_gpl
 """

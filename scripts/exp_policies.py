@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 3 "done when" table: the policies on the first N tokens of Frankenstein, token by token.
+"""The policy table: the policies on the first N tokens of Frankenstein, token by token.
 
     python scripts/exp_policies.py                 # 4096 tokens, W=256, N=4, delta=8 (~25-40 min on 2 busy cores)
     python scripts/exp_policies.py --quick         # 512 tokens, W=64 (~2 min; CI adds --no-hf --no-bf16)

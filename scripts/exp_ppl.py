@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Issue 6 section 3: streaming perplexity of every policy on Frankenstein, per 1k tokens (table + plot).
+"""Streaming perplexity of every policy on Frankenstein, per 1k tokens (table + plot).
 
     python scripts/exp_ppl.py --quick                       # CI smoke (~1-2 min): 512 tokens, W=64, float32
     python scripts/exp_ppl.py                               # default grid, sized to < 30 min on 2 idle cores
     python scripts/exp_ppl.py --tokens 20000 --full-tokens 20000 --replay-tokens 20000 --bf16-policies same
-                                                            # the full issue-6 grid (hours on CPU)
+                                                            # the full grid (hours on CPU)
 
 Default grid: float32 W=256 4096 tokens, float32 W=1024 3072, bfloat16 W=256 2048 and W=1024 1536
 (--cell-tokens); bfloat16 cells run streamingllm, rerotate (block 1 and 8), rsqr, rsqr_precompute.

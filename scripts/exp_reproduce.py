@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reproduce the RSQR author's two recall studies (issue 16) and the factorial that separates them.
+"""Reproduce the RSQR author's two recall studies and the factorial that separates them.
 
     python scripts/exp_reproduce.py --quick                  # CI smoke run (< 1 min): a tiny random model
     python scripts/exp_reproduce.py --parts p1 --p1-trials 16 --out runs/repro_p1     # docs/reproduction.md

@@ -2,7 +2,7 @@
 # H200 compile check of the fused kernel on a machine without a GPU (docs/kernel.md, "GPU / H200"):
 #     bash scripts/gpu_compile_check.sh [--root DIR] [compile_report flags: --only a,b  --json  --list]
 # Checks the kernel of DIR (default: the current directory if it holds pallas_kernels/, else this repo),
-# so another worktree checks its own kernel with `cd WT && bash /path/to/scripts/gpu_compile_check.sh`.
+# so another checkout checks its own kernel with `cd WT && bash /path/to/scripts/gpu_compile_check.sh`.
 #  1. builds (once; a stamp file names the pins) a Python 3.12 venv with the device's jax/jaxlib 0.11.2
 #     and pip Triton 3.6.0 (its ptxas compiles for sm_90a; no CUDA plugin, no torch, no project install:
 #     the checked root goes on PYTHONPATH) at $RSQR_H200_VENV (default: .venv-h200 in this repo);

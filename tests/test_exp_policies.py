@@ -1,4 +1,4 @@
-"""Issue 3 table (rsqr_jax.experiments.policies): in process on the tiny model (seed tests/tiny_stream.SEED)
+"""The policy table (rsqr_jax.experiments.policies): in process on the tiny model (seed tests/tiny_stream.SEED)
 — every run, the checks, rescore — and on crafted NLL; one slow smoke run of `scripts/exp_policies.py
 --quick --no-hf --no-bf16` on SmolLM2-135M (~1 min on 2 cores): rsqr with delta=0 is streamingllm (DESIGN
 section 4, consequence 1) and dropping the attention sinks hurts."""

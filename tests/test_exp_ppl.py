@@ -1,4 +1,4 @@
-"""Issue 6 section 3 (rsqr_jax.experiments.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
+"""Streaming perplexity per bucket (rsqr_jax.experiments.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
 — JSON shape, per-bucket curves, plot, exact policies agreeing, interruption, rescore, merge; one slow smoke
 run of `scripts/exp_ppl.py --quick` on SmolLM2-135M (~1.5 min on 2 cores) for the sanity bounds."""
 

@@ -1,4 +1,4 @@
-"""The replicas of the RSQR author's position bookkeeping (issue 16), against hand-worked examples, and the
+"""The replicas of the RSQR author's position bookkeeping, against hand-worked examples, and the
 explicit-position step against the float64 oracle."""
 
 from __future__ import annotations

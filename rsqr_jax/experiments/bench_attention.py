@@ -191,7 +191,7 @@ def ratios(t: dict) -> dict:
 
 
 TARGETS = {"xla_1/8/plain": ("<=", 1.10, 4096), "xla_1/2/plain": ("<=", 1.10, 4096),
-           "stream/xla_1/8": (">=", 1.30, 8192), "stream/xla_1/2": (">=", 1.30, 8192)}  # issue 14: (op, bound, N >=)
+           "stream/xla_1/8": (">=", 1.30, 8192), "stream/xla_1/2": (">=", 1.30, 8192)}  # (op, bound, from N >=)
 
 
 def load_result(path) -> dict:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rsqr_jax import data
+
 
 class ConfigError(ValueError):
     """An experiment configuration that cannot run (reported by the scripts as one line, exit code 2)."""
@@ -77,12 +79,12 @@ def check_memory(cache_bytes: int) -> None:
 
 
 def read_text(path: str | os.PathLike) -> str:
-    """The text of a UTF-8 file; ConfigError (one line) if it is missing or empty."""
+    """The text of a UTF-8 file through the one text reader (`rsqr_jax.data.read_text`: a Project Gutenberg
+    file yields its body only); ConfigError (one line) if it is missing or empty."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ConfigError(f"text file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = data.read_text(path)
     if not text.strip():
         raise ConfigError(f"text file {path} is empty")
     return text

@@ -1,4 +1,4 @@
-"""Experiment 1 (issue 6), "Drift": error of keys rotated again and again (`rerotate`) against one
+"""Experiment 1, "Drift": error of keys rotated again and again (`rerotate`) against one
 rotation from raw (`rsqr` / `streamingllm`), at three levels.
 
 1. Keys.  A key is written rotated at base position P and then re-rotated in hops of -s (s = evict_n,

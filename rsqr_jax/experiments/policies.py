@@ -1,4 +1,4 @@
-"""Issue 3 "done when" table: every policy on the first N tokens of a text, token by token, against the
+"""The policy table: every policy on the first N tokens of a text, token by token, against the
 float32 oracle (rsqr float32 with the same parameters: DESIGN section 4, every rank-timeline policy computes
 the same function of the same token set, and rsqr rotates every key from raw exactly once).
 

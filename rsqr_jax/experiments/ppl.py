@@ -1,4 +1,4 @@
-"""Issue 6 section 3: streaming perplexity of every policy, per bucket of tokens, over a grid of (window W,
+"""Streaming perplexity of every policy, per bucket of tokens, over a grid of (window W,
 storage dtype) cells; tables, curves and the excess NLL against the float32 oracle (rsqr float32, same W).
 
 Per cell the token-by-token policies of VMAPPED stream in ONE vmapped evaluation (one compilation, weights

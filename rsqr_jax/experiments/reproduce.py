@@ -1,4 +1,4 @@
-"""Reproduce the RSQR author's two recall studies on our model, and isolate why they disagree (issue 16).
+"""Reproduce the RSQR author's two recall studies on our model, and isolate why they disagree.
 
 The published model (Qwen2.5-0.5B-Instruct) is not available offline: everything runs on
 SmolLM2-135M-Instruct (float32). The trials are drawn exactly as the author's notebooks draw them

@@ -1,4 +1,4 @@
-"""The RSQR author's position bookkeeping, replayed on our model (issue 16).
+"""The RSQR author's position bookkeeping, replayed on our model.
 
 The author's notebooks keep per-layer K/V lists (sink, fact, pinned, survivors, window), build the list a
 token attends to by concatenation, run one token, and slice the returned list (old + new) back into the
