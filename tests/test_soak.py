@@ -153,7 +153,7 @@ def test_floor_ratio_ignores_neighbour_bursts_but_not_a_trend():
     lat = 40 + rng.random(31_000)  # a flat step cost (ms)...
     lat[:1000] += 5  # (warm-up, excluded)
     bursty = lat.copy()
-    bursty[30_000:] += 12  # ...and a neighbour's burst over the final window: the p50 ratio says 1.3x
+    bursty[30_000:] += 12  # ...and a neighbour's burst over the final window: the plain p50 ratio says 1.3x
     r = S.floor_ratio(bursty, 1000, 1000)  # 30 windows: the lowest of the last 3 vs the lowest of the first 3
     assert r["floor_windows"] == 3 and abs(r["floor_ratio"] - 1) < 0.02, r
     r = S.floor_ratio(bursty[:20_000].copy() + np.r_[np.zeros(19_000), np.full(1000, 12.0)], 1000, 1000)
