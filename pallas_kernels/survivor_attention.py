@@ -1,4 +1,4 @@
-"""Two-segment survivor attention (DESIGN.md section 6): the contract, its pure-jnp reference, and the kernel.
+"""Two-segment survivor attention (docs/design.md §6): the contract, its pure-jnp reference, and the kernel.
 
     out = survivor_attention(q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid,
                              q_pos_win, q_pos_surv, inv_freq, *, scale=None, interpret=None)

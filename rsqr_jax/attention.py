@@ -1,4 +1,4 @@
-"""Attention dispatch: one call of the two-segment contract (DESIGN section 6), routed to a kernel.
+"""Attention dispatch: one call of the two-segment contract (docs/design.md §6), routed to a kernel.
 
 Every policy reuses the contract: the window is the pre-rotated segment, the survivor array the segment
 rotated inside the kernel (at position 0, the identity, when its keys are stored pre-rotated). What goes

@@ -1,4 +1,4 @@
-"""The immutable KV-cache pytree (DESIGN.md section 5).
+"""The immutable KV-cache pytree (docs/design.md §5).
 
 Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers can thread it):
 
@@ -12,7 +12,7 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
 * surv_k_rot [L, B, Hkv, S or 0, D]: rsqr_precompute's copy of each survivor rotated at its rank.
 * win_tok / surv_tok [B, W or 0] / [B, S or 0]: token ids, only for replay.
 * cold_k / cold_v [L, B, Hkv, Nc, D], cold_sum [L, B, Hkv, Nc/P, D] float32, cold_pos [Nc]: the recall
-  tier's cold store (DESIGN section 3b; Nc = CacheSpec.cold_slots, 0 without one). Every non-sink token
+  tier's cold store (docs/design.md §3b; Nc = CacheSpec.cold_slots, 0 without one). Every non-sink token
   is written raw on arrival at ring slot (r - N) mod Nc, so the ring is made of pages of P consecutive
   tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
   (the page summary that recall scores), cold_lo / cold_hi their per-channel minimum and maximum (only
@@ -29,7 +29,7 @@ keys), surv_rank (each survivor's rank on the rank timeline, the logical-positio
 
 Stream origin: `t` is the global position of the next token and `start` the global position of the
 stream's first token (0 unless the cache was made with `init_cache(spec, start=s)`). Attention uses
-global positions (window keys rotated at g, the query at t); the token set (DESIGN section 3) is
+global positions (window keys rotated at g, the query at t); the token set (docs/design.md §3) is
 defined on stream-relative positions r = g - start: sinks are r < N, flagged tokens (r - N) mod delta ==
 delta - 1, and the window counts the r tokens seen so far. So a stream started at s keeps exactly the
 tokens a stream started at 0 keeps, shifted by s, and every policy's logits are translation-invariant

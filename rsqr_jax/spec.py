@@ -31,7 +31,7 @@ DEFAULT_PAGE_SCORE = "max"
 
 @dataclasses.dataclass(frozen=True)
 class ColdStore:
-    """The recall tier's static settings as one value (DESIGN section 3b): capacity (evicted tokens kept at
+    """The recall tier's static settings as one value (docs/design.md §3b): capacity (evicted tokens kept at
     least), page_size, page_score (PAGE_SCORES) and neighbors (pages on each side of a chosen page that come
     back with it). `spec_kwargs` are the CacheSpec.for_policies keywords; ValueError on impossible values."""
 
@@ -77,7 +77,7 @@ class CacheSpec:
     surv_capacity: slots of the survivor segment (sinks + capped survivors + the raw shadow copies of
     flagged tokens still in the window). precompute / token_ids: the rsqr_precompute copy and the replay
     token ids are allocated only when a policy of the spec needs them. max_chunk: the largest chunk fed.
-    cold_capacity / page_size / max_recall_pages: the recall tier (DESIGN section 3b): a per-layer cold
+    cold_capacity / page_size / max_recall_pages: the recall tier (docs/design.md §3b): a per-layer cold
     store that keeps at least the last cold_capacity evicted non-sink tokens (raw K/V, in pages of
     page_size consecutive tokens), from which a policy may recall up to max_recall_pages pages per layer
     and step (0: no cold store). page_score: the rule recall ranks pages by (PAGE_SCORES).

@@ -108,7 +108,7 @@ def test_demo_remembers_the_name_the_window_forgot(smollm2_path):
 
 @pytest.mark.slow
 def test_full_perplexity_matches_hf_reference(smollm2_path):
-    # DESIGN section 9: HF transformers, float32, full attention: first 512 tokens of Frankenstein -> 38.98.
+    # The HF transformers reference (float32, full attention): first 512 tokens of Frankenstein -> 38.98.
     proc = run("eval_stream.py", "--policy", "full", "--tokens", "512", "--chunk", "256", "--json", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)

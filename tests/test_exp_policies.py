@@ -1,7 +1,7 @@
 """The policy table (rsqr_jax.experiments.policies): in process on the tiny model (seed tests/tiny_stream.SEED)
 — every run, the checks, rescore — and on crafted NLL; one slow smoke run of `scripts/exp_policies.py
---quick --no-hf --no-bf16` on SmolLM2-135M (~1 min on 2 cores): rsqr with delta=0 is streamingllm (DESIGN
-section 4, consequence 1) and dropping the attention sinks hurts."""
+--quick --no-hf --no-bf16` on SmolLM2-135M (~1 min on 2 cores): rsqr with delta=0 is streamingllm (docs/design.md
+§4, equivalence 1) and dropping the attention sinks hurts."""
 
 from __future__ import annotations
 
@@ -138,5 +138,5 @@ def test_quick_smoke(tmp_path, smollm2_path):
     # Survivors change the token set, hence the perplexity: the comparison above is not vacuous.
     assert abs(by["rsqr/float32"]["ppl"] / s - 1) > 1e-3
     assert by["window/float32"]["ppl"] > 1.2 * s and res["checks"]["window_worse_than_streamingllm"]["pass"]
-    # The 512-token full-attention figure of DESIGN section 9 (HF: 38.98).
+    # The 512-token full-attention figure of the HF transformers reference (38.98).
     assert abs(by["full/float32"]["ppl"] / 38.98 - 1) < 0.005

@@ -55,7 +55,7 @@ def test_shape_and_curves(tiny):
         assert np.load(out / f"nll_W16_float32_{key}.npy").shape == (r["n_scored"],)
     assert cell["runs"]["streamingllm"]["n_scored"] == 95 and cell["runs"]["replay"]["n_scored"] == 47
     assert cell["runs"]["rerotate_b8"]["name"] == "rerotate(W=16, N=2, delta=4, S=8, fifo, b=8)"
-    # Same token set, same function (DESIGN section 4): float32 rsqr_precompute and rerotate agree with rsqr.
+    # Same token set, same function (docs/design.md §4): float32 rsqr_precompute and rerotate agree with rsqr.
     for key in ("rsqr_precompute", "rerotate"):
         r = cell["runs"][key]
         assert r["mean_abs_dnll_vs_oracle"] < 1e-4 and r["mean_abs_dnll_vs_rsqr"] < 1e-4, key
@@ -188,7 +188,7 @@ def test_config_defaults_and_refusals():
 
 def test_recall_arm_rides_in_the_vmapped_cell(tmp_path):
     """rsqr_recall (named, not in the default grid) shares the cell's vmapped stream; with a cold store that
-    keeps every evicted token and every page recalled it equals full (DESIGN section 3b), unlike plain rsqr."""
+    keeps every evicted token and every page recalled it equals full (docs/design.md §3b), unlike plain rsqr."""
     from rsqr_jax.spec import ColdStore
 
     text = write_text(tmp_path / "t.txt")
@@ -238,12 +238,12 @@ def test_quick_smoke(tmp_path, smollm2_path):
     # Attention sinks: dropping the first tokens costs a lot (StreamingLLM's observation).
     assert runs["streamingllm"]["ppl"] < runs["window"]["ppl"]
     assert all(s["ppl"] < w["ppl"] for s, w in zip(runs["streamingllm"]["curve"], runs["window"]["curve"]))
-    # Same token set, same function (DESIGN section 4): float32 rsqr_precompute and rerotate agree with rsqr.
+    # Same token set, same function (docs/design.md §4): float32 rsqr_precompute and rerotate agree with rsqr.
     for key in ("rsqr_precompute", "rerotate"):
         assert runs[key]["mean_abs_dnll_vs_oracle"] < 1e-3 and abs(runs[key]["rel_dppl_vs_oracle"]) < 1e-3, key
         lo, hi = runs[key]["excess_nll_after_fill_ci95"]
         assert abs(runs[key]["excess_nll_after_fill"]) < 1e-3 and lo <= runs[key]["excess_nll_after_fill"] <= hi, key
     # Full attention sees every token: no bounded policy does better on this text (replay scores a shorter prefix).
     assert runs["full"]["ppl"] <= min(r["ppl"] for k, r in runs.items() if k not in ("full", "replay")) * 1.001
-    # The 512-token full-attention figure of DESIGN section 9 (HF: 38.98).
+    # The 512-token full-attention figure of the HF transformers reference (38.98).
     assert abs(runs["full"]["ppl"] / 38.98 - 1) < 0.005

@@ -1,4 +1,4 @@
-"""DESIGN.md section 4 consequences on a tiny random model and on the attention alone."""
+"""docs/design.md §4 consequences on a tiny random model and on the attention alone."""
 
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ def test_rsqr_float32_attention_matches_oracle_at_every_step():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Which tokens stay: the cache bookkeeping against the pure-Python model of DESIGN section 3.
+# Which tokens stay: the cache bookkeeping against the pure-Python model of docs/design.md §3.
 
 SET_SPEC = CacheSpec(num_layers=1, batch=1, num_kv_heads=1, head_dim=2, win_capacity=24, surv_capacity=40,
                      max_chunk=4)

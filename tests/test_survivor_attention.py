@@ -1,5 +1,5 @@
 """pallas_kernels.survivor_attention: the Pallas kernel (interpret mode on CPU) against the pure-jnp
-reference and against the independent float64 numpy implementation of DESIGN.md section 6
+reference and against the independent float64 numpy implementation of docs/design.md §6
 (rsqr_jax.testing.kernel.oracle_f64, on its seeded inputs kernel_inputs)."""
 
 from __future__ import annotations

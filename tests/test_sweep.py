@@ -352,7 +352,7 @@ def test_bench_sweep_cli_quick_writes_json_in_out_dir(tmp_path):
 def test_sweep_experiment_with_recall_grid_entries():
     """recall_pages is a grid axis: the entries with recall get the config's cold store (in the vmapped
     spec and in their own cache size), and a store that keeps every evicted token, fully recalled, scores
-    exactly what full attention scores (DESIGN section 3b)."""
+    exactly what full attention scores (docs/design.md §3b)."""
     import rsqr_jax as rj
     from rsqr_jax.spec import ColdStore
 

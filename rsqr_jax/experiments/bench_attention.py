@@ -8,7 +8,7 @@
   (c) stream  : StreamingLLM - rotate all N raw keys at their ranks, then attend; twice: "stream" with a
                 precomputed cos/sin table (the strongest baseline: ranks are always 0..N-1) and
                 "stream_c" through the contract (survivor_attention_xla with every key in the raw
-                segment, W = 0), which is how DESIGN.md section 6 runs streamingllm.
+                segment, W = 0), the contract's way of running streamingllm (docs/design.md §6).
 
 Shapes follow SmolLM2-135M: C = 1, Hq = 9, Hkv = 3, D = 64, float32. Medians of interleaved rounds after
 warm-up, each call blocked on; wall time and process CPU time (all threads) are both recorded, the latter

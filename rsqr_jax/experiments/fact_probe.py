@@ -2,7 +2,7 @@
 does): "The secret number of NAME is NUM." + n_filler tokens of a text + " The secret number of NAME is",
 prefilled in chunks and answered greedily. With lead_max > 0 a random 0..lead_max filler tokens come first,
 so the fact sits mid-stream at every alignment to the cold store's pages (it straddles page boundaries). Correct iff NUM appears in the answer. Arms: full, rsqr, and
-rsqr with the recall tier (DESIGN section 3b) - the acceptance check of the recall issue."""
+rsqr with the recall tier (docs/design.md §3b) - the recall tier's acceptance check."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ phase loses only that phase):
    Then one bfloat16 decode case against the float64 oracle, trying kernel variants in turn (defaults,
    branch-free loops, float32 angles, a conservative one) and logging each traceback; the first variant
    that passes is the one the later phases use (fixed for the whole run, never flipped mid-run).
-2. correctness (<= 120 s, correctness.json): the kernel against the float64 oracle only (DESIGN.md
-   section 6, `rsqr_jax.testing.kernel`): float32 / bfloat16, decode and chunks, GQA 9/3, head_dim 128
+2. correctness (<= 120 s, correctness.json): the kernel against the float64 oracle only (docs/design.md
+   §6, `rsqr_jax.testing.kernel`): float32 / bfloat16, decode and chunks, GQA 9/3, head_dim 128
    GQA (Hq 32, Hkv 8), S = 0, W = 0, W = 1, empty windows, nothing visible, realistic sizes with the
    default blocks and splits. Saved after every case.
 3. timing (<= 180 s, timing.json, one row at a time): the copy bandwidth (x -> x + 1 over 1 GiB), then

@@ -1,5 +1,5 @@
 """The policy table: every policy on the first N tokens of a text, token by token, against the
-float32 oracle (rsqr float32 with the same parameters: DESIGN section 4, every rank-timeline policy computes
+float32 oracle (rsqr float32 with the same parameters: docs/design.md §4, every rank-timeline policy computes
 the same function of the same token set, and rsqr rotates every key from raw exactly once).
 
 Runs: full float32 with chunked prefill (exact for full); one vmapped float32 batch (window, streamingllm,

@@ -127,7 +127,7 @@ class RecallResult:
             "protocol": {
                 "cycle_len": cfg.cycle_len, "cycle_definition": "one cycle = cycle_len filler tokens",
                 "window": cfg.window, "block": cfg.block, "chunk": cfg.chunk,
-                "window_semantics": "the window keeps window..window+block-1 most recent tokens (DESIGN section 3)",
+                "window_semantics": "the window keeps window..window+block-1 most recent tokens (docs/design.md §3)",
                 "delta": cfg.delta, "rsqr_uncapped_max_survivors": uncapped, "rsqr_cap_max_survivors": cfg.cap,
                 "overflow": "fifo",
                 "sinks": {"pinned": P_len, "unprotected": meta["unprotected_sinks"]},

@@ -1,4 +1,4 @@
-"""Inputs and the float64 oracle of the survivor-attention kernel contract (DESIGN.md section 6), shared by
+"""Inputs and the float64 oracle of the survivor-attention kernel contract (docs/design.md §6), shared by
 tests/test_survivor_attention.py, the GPU check and the attention benchmark (one copy of each).
 
 * `kernel_inputs(seed, ...)`: random but sensible contract inputs for correctness checks (seeded).

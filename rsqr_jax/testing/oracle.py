@@ -1,4 +1,4 @@
-"""Independent references for the policy tests: a pure-Python model of DESIGN section 3 (which tokens
+"""Independent references for the policy tests: a pure-Python model of docs/design.md §3 (which tokens
 stay) and a float64 numpy model forward that attends over a given token set on the rank or global
 timeline. Nothing here imports rsqr_jax: these are what the library is checked against."""
 
@@ -96,7 +96,7 @@ def stream_logits_f64(weights, cfg, tokens, token_sets, semantics):
 
 
 def reference_cold_sets(T, *, window, n_sink, block, page_size, cold_slots, chunk=1):
-    """Recallable global positions after each step (DESIGN section 3b), as a plain-Python model of the cold
+    """Recallable global positions after each step (docs/design.md §3b), as a plain-Python model of the cold
     ring: every non-sink token g is written at slot (g - N) mod cold_slots; writing the first slot of a
     page forgets the page's older remnants; a stored token is recallable once it has left the window."""
     ring = [-1] * cold_slots
