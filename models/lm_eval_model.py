@@ -54,6 +54,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string  # noqa: E402
 
 from rsqr_jax.harness import GenerateRequest, RequestEngine, SequentialEngine, StreamsEngine  # noqa: E402
+from rsqr_jax.sampling import Sampling  # noqa: E402
 from rsqr_jax.spec import DEFAULT_PAGE_SCORE  # noqa: E402
 
 # Model arguments and their defaults (the policy / recall / model flags of scripts/_common.py).
@@ -65,6 +66,20 @@ MODEL_ARGS = {
 }
 # What lm-eval passes every model (accepted; batch_size = the number of streams, see batch_slots).
 HARNESS_ARGS = ("batch_size", "max_batch_size", "device")
+
+
+def _sampling(kw: dict) -> Sampling:
+    """The sampler settings of a request's normalised gen_kwargs (popped from kw): greedy unless do_sample
+    with a temperature > 0; top_p / top_k as HF generate reads them (top_k 0 = off)."""
+    do_sample, temperature = kw.pop("do_sample", False), float(kw.pop("temperature", 0.0))
+    top_p, top_k = kw.pop("top_p", None), kw.pop("top_k", None)
+    if not do_sample or temperature <= 0:
+        return Sampling()
+    try:
+        return Sampling(temperature=temperature, top_p=1.0 if top_p is None else float(top_p),
+                        top_k=0 if top_k is None else int(top_k))
+    except ValueError as e:
+        raise ConfigError(f"gen_kwargs: {e}") from None
 
 
 def batch_slots(batch_size) -> int:
@@ -225,13 +240,13 @@ class RsqrLM(TemplateLM):
             max_new = int(kw.pop("max_gen_toks"))
             if not self.engine.bounded and max_new >= self.max_length:
                 raise ConfigError(f"max_gen_toks {max_new} must be below max_length {self.max_length} for full")
-            temperature = float(kw.pop("temperature", 0.0)) if kw.pop("do_sample", False) else 0.0
+            sampling = _sampling(kw)
 
             def stop(ids, until=until):
                 text = self.tok_decode(ids)
                 return any(t and t in text for t in until)
 
-            batch.append(GenerateRequest(self.tok_encode(context), max_new, temperature, stop))
+            batch.append(GenerateRequest(self.tok_encode(context), max_new, sampling, stop))
             stops.append(until)
         out = []
         for (context, gen_kwargs), until, ids in zip([r.args for r in requests], stops, self.engine.generate(batch)):

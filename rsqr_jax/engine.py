@@ -9,7 +9,7 @@ the cache, so it is updated in place.
     dec = Decoder(apply_fn, spec)                         # policy as data (any policy of the spec)
     logits_BxCxV, cache = dec.feed(params, tokens_BxC, cache, policy, n_valid)
     cache, nll_KxBxC = dec.score(params, cache, policy, tokens_KxBxC, targets_KxBxC, n_valid_K)
-    out = dec.generate(params, cache, policy, pending_B, rng, temperature, top_p, n_steps, eos_E)
+    out = dec.generate(params, cache, policy, pending_B, state, sampling.values(), n_steps, eos_E)
 
 `fixed_policy` (the policy's field values) bakes one policy in as constants: XLA then folds every mode
 test of the update and drops the branches that policy never takes (what a Session wants).
@@ -19,6 +19,11 @@ stream has its own positions, length and rng; `feed_streams` / `generate_streams
 rsqr_jax.streams) take a per-stream n_valid / token budget, so streams join and leave without a recompile;
 `score_streams` / `advance_streams` score each stream's own request (rsqr_jax.harness.StreamsEngine).
 rsqr_jax stays model-agnostic: the model comes in as `apply_fn(params, tokens_BxC, cache, plan)`.
+
+Sampling (rsqr_jax.sampling): the functions that pick tokens take a `SamplerState` (the rng key and the ring
+of the last `repeat_last_n` token ids fed, for the repetition penalties; a bare PRNG key starts an empty
+ring) and the dynamic `SamplingValues` (default: greedy), so every setting but the ring size and the
+candidate count (`repeat_last_n`, `max_candidates`: static Decoder fields) runs under one compilation.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 from rsqr_jax import policy as P
 from rsqr_jax.cache import KVCache, init_cache, init_policy_cache
 from rsqr_jax.policy import Policy
-from rsqr_jax.sampling import sample
+from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, SamplingValues, push_recent, sample
 from rsqr_jax.spec import CacheSpec, validate
 from rsqr_jax.update import step
 
@@ -47,6 +52,14 @@ def policy_values(policy: Policy) -> tuple[int, ...]:
     return tuple(int(np.asarray(getattr(policy, f.name))) for f in dataclasses.fields(Policy))
 
 
+class SamplerState(NamedTuple):
+    """What sampling carries from token to token: the rng key ([2]; [N, 2] over N streams) and the ring of
+    the last repeat_last_n token ids fed to the model, oldest first, -1 = empty (int32 [B, R]; [N, R])."""
+
+    rng: jax.Array
+    recent: jax.Array
+
+
 class Generated(NamedTuple):
     """One block of `Decoder.generate`: tokens_BxK (-1 past each row's end), n_steps run, the pending
     token of each row (sampled after its last fed token), done_B (row emitted an end-of-sequence token)."""
@@ -56,7 +69,7 @@ class Generated(NamedTuple):
     pending_B: jax.Array
     done_B: jax.Array
     cache: KVCache
-    rng: jax.Array
+    state: SamplerState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +81,9 @@ class Decoder:
     (the `policy` argument of every method is then ignored and may be None). vmap_policies: the policy
     and the cache carry a leading [P] axis. gen_block: tokens per compiled generation block (the host
     sees tokens once per block). cache_sharding: a KVCache of shardings the outputs are pinned to.
+    repeat_last_n: the size of the ring of recent token ids the penalties count (0 = no ring, no penalty
+    work). max_candidates: how many best tokens the sampler keeps before top-k / top-p / min-p
+    (rsqr_jax.sampling); both are shapes, hence static.
     """
 
     apply_fn: Callable
@@ -77,8 +93,14 @@ class Decoder:
     gen_block: int = 16
     cache_sharding: Any = None
     vmap_streams: bool = False
+    repeat_last_n: int = 0
+    max_candidates: int = DEFAULT_MAX_CANDIDATES
 
     def __post_init__(self):
+        if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < 0:
+            raise ValueError(f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}")
+        if isinstance(self.max_candidates, bool) or not isinstance(self.max_candidates, int) or self.max_candidates < 1:
+            raise ValueError(f"max_candidates must be a positive integer, got {self.max_candidates!r}")
         if self.fixed_policy is not None and self.vmap_policies:
             raise ValueError("a Decoder has either one fixed policy or a vmapped policy batch, not both")
         if self.vmap_streams and (self.vmap_policies or self.spec.batch != 1):
@@ -104,6 +126,25 @@ class Decoder:
                 raise ValueError("a vmap_streams Decoder needs n_streams for its cache")
             return init_policy_cache(self.spec, n_streams, start)  # the same stacking, over streams
         return init_cache(self.spec, start)
+
+    def sampler_state(self, rng, rows: int) -> SamplerState:
+        """A SamplerState with an empty ring of `rows` rows (batch rows, or streams when vmap_streams); `rng`
+        may already be a SamplerState (returned as is)."""
+        if isinstance(rng, SamplerState):
+            return rng
+        return SamplerState(jnp.asarray(rng), jnp.full((rows, self.repeat_last_n), -1, jnp.int32))
+
+    def _values(self, sampling, n_streams: int | None = None) -> SamplingValues:
+        """The sampling values as device arrays (greedy when None); broadcast to [n_streams] for streams."""
+        v = Sampling().values() if sampling is None else sampling.values() if isinstance(sampling, Sampling) \
+            else sampling
+        if not isinstance(v, SamplingValues):
+            raise TypeError(f"sampling must be a Sampling or SamplingValues, got {type(sampling).__name__}")
+        ints = ("top_k", "repeat_last_n")
+        v = SamplingValues(*(jnp.asarray(x, jnp.int32 if k in ints else jnp.float32) for k, x in zip(v._fields, v)))
+        if n_streams is not None:
+            v = SamplingValues(*(jnp.broadcast_to(x, (n_streams,)) for x in v))
+        return v
 
     def _policy(self, policy: Policy | None) -> Policy:
         if self.fixed_policy is None:
@@ -144,48 +185,59 @@ class Decoder:
         return _advance(self, params, jnp.asarray(tokens_BxC, jnp.int32), cache, policy,
                         jnp.asarray(n_valid, jnp.int32))
 
-    def feed_and_sample(self, params, tokens_BxC, cache: KVCache, policy: Policy | None, n_valid, rng,
-                        temperature, top_p):
-        """Append a chunk and sample the token after its last real one: (next_B, cache, rng)."""
-        return _feed_and_sample(self, params, jnp.asarray(tokens_BxC, jnp.int32), cache, policy,
-                                jnp.asarray(n_valid, jnp.int32), rng, jnp.float32(temperature), jnp.float32(top_p))
+    def feed_and_sample(self, params, tokens_BxC, cache: KVCache, policy: Policy | None, n_valid, state,
+                        sampling: Sampling | SamplingValues | None = None):
+        """Append a chunk and sample the token after its last real one: (next_B, cache, state).
+
+        state: a SamplerState (or a bare PRNG key: an empty ring); its ring takes the chunk's real tokens
+        before the draw. sampling: the settings or their values (None = greedy)."""
+        tokens_BxC = jnp.asarray(tokens_BxC, jnp.int32)
+        return _feed_and_sample(self, params, tokens_BxC, cache, policy, jnp.asarray(n_valid, jnp.int32),
+                                self.sampler_state(state, tokens_BxC.shape[0]), self._values(sampling))
 
     def score(self, params, cache: KVCache, policy: Policy | None, tokens_KxBxC, targets_KxBxC, n_valid_K):
         """Stream K chunks under one lax.scan: (cache, NLL [(P,) K, B, C] of each target token)."""
         return _score(self, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_valid_K)
 
-    def generate(self, params, cache: KVCache, policy: Policy | None, pending_B, rng, temperature, top_p,
-                 n_steps, eos_ids) -> Generated:
+    def generate(self, params, cache: KVCache, policy: Policy | None, pending_B, state,
+                 sampling: Sampling | SamplingValues | None, n_steps, eos_ids) -> Generated:
         """Up to min(n_steps, gen_block) generation steps in one compiled lax.while_loop (no host round trip
         per token). Each step emits every row's pending token; a row that emits an end-of-sequence id is
         done (that token is not fed); otherwise the pending tokens are fed and the next ones sampled."""
         eos_E = jnp.asarray(sorted(eos_ids) or [-1], jnp.int32)
-        return _generate(self, params, cache, policy, jnp.asarray(pending_B, jnp.int32), rng,
-                         jnp.float32(temperature), jnp.float32(top_p), jnp.asarray(n_steps, jnp.int32), eos_E)
+        pending_B = jnp.asarray(pending_B, jnp.int32)
+        return _generate(self, params, cache, policy, pending_B, self.sampler_state(state, pending_B.shape[0]),
+                         self._values(sampling), jnp.asarray(n_steps, jnp.int32), eos_E)
 
-    def feed_streams(self, params, tokens_NxC, cache: KVCache, policy: Policy | None, n_valid_N, reset_N, rng_N,
-                     temperature, top_p):
+    def feed_streams(self, params, tokens_NxC, cache: KVCache, policy: Policy | None, n_valid_N, reset_N, state_N,
+                     sampling_N: Sampling | SamplingValues | None = None):
         """vmap_streams: append each stream's chunk (its first n_valid_N[i] tokens are real; 0 = the stream
-        is untouched) after resetting the streams marked in reset_N to an empty cache (a stream joins), and
-        sample the token after each stream's last real one: (next_N, cache, rng_N). A stream's rng key is
-        split only when it moves, so it sees the key sequence a lone Session would."""
-        return _feed_streams(self, params, jnp.asarray(tokens_NxC, jnp.int32), cache, policy,
-                             jnp.asarray(n_valid_N, jnp.int32), jnp.asarray(reset_N, bool), rng_N,
-                             jnp.float32(temperature), jnp.float32(top_p))
+        is untouched) after resetting the streams marked in reset_N to an empty cache and ring (a stream
+        joins), and sample the token after each stream's last real one: (next_N, cache, state_N). A stream's
+        rng key is split only when it moves, so it sees the key sequence a lone Session would. state_N: a
+        SamplerState over streams (or bare keys [N, 2]); sampling_N: values per stream ([N] arrays) or one
+        setting for all."""
+        tokens_NxC = jnp.asarray(tokens_NxC, jnp.int32)
+        N = tokens_NxC.shape[0]
+        return _feed_streams(self, params, tokens_NxC, cache, policy, jnp.asarray(n_valid_N, jnp.int32),
+                             jnp.asarray(reset_N, bool), self.sampler_state(state_N, N), self._values(sampling_N, N))
 
-    def generate_streams(self, params, cache: KVCache, policy: Policy | None, pending_N, budget_N, rng_N,
-                         temperature, top_p, eos_ids, feed_only_N=None, reset_N=None) -> "StreamsGenerated":
+    def generate_streams(self, params, cache: KVCache, policy: Policy | None, pending_N, budget_N, state_N,
+                         sampling_N: Sampling | SamplingValues | None, eos_ids, feed_only_N=None,
+                         reset_N=None) -> "StreamsGenerated":
         """vmap_streams: up to gen_block generation steps in one compiled while_loop. Each step, every stream
         with budget left emits its pending token (and spends one budget); a stream that emits an
         end-of-sequence id stops (budget 0, the token is not fed); the others feed it and sample the next.
         feed_only_N: streams whose pending token is their prompt's last one: the first step feeds it
         without emitting it (a 1-token prefill, so no separate 1-wide prefill compilation is needed).
-        reset_N: streams reset to an empty cache first (as in feed_streams)."""
+        reset_N: streams reset to an empty cache and ring first (as in feed_streams)."""
         eos_E = jnp.asarray(sorted(eos_ids) or [-1], jnp.int32)
-        no = np.zeros(np.shape(pending_N), bool)
+        N = int(np.shape(pending_N)[0])
+        no = np.zeros(N, bool)
         return _generate_streams(self, params, cache, policy, jnp.asarray(pending_N, jnp.int32),
-                                 jnp.asarray(budget_N, jnp.int32), rng_N, jnp.float32(temperature),
-                                 jnp.float32(top_p), eos_E, jnp.asarray(no if feed_only_N is None else feed_only_N, bool),
+                                 jnp.asarray(budget_N, jnp.int32), self.sampler_state(state_N, N),
+                                 self._values(sampling_N, N), eos_E,
+                                 jnp.asarray(no if feed_only_N is None else feed_only_N, bool),
                                  jnp.asarray(no if reset_N is None else reset_N, bool))
 
 
@@ -213,7 +265,7 @@ class StreamsGenerated(NamedTuple):
     pending_N: jax.Array
     budget_N: jax.Array
     cache: KVCache
-    rng_N: jax.Array
+    state_N: SamplerState
 
 
 def _jit(donate: int):
@@ -248,52 +300,57 @@ def _advance(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
     return _feed_body(dec, params, tokens_BxC, cache, policy, n_valid)[1]
 
 
-def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p):
+def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, state: SamplerState, values):
     logits, cache = step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid,
-                    **dec.spec.recall_args)
-    rng, sub = jax.random.split(rng)
+                         **dec.spec.recall_args)
+    recent = push_recent(state.recent, tokens_BxC, n_valid)
+    rng, sub = jax.random.split(state.rng)
     last_BxV = jnp.take(logits, jnp.maximum(n_valid - 1, 0), axis=1)
-    return sample(last_BxV, sub, temperature, top_p), cache, rng
+    return sample(last_BxV, sub, values, recent, dec.max_candidates), cache, SamplerState(rng, recent)
 
 
 @_jit(donate=3)
-def _feed_and_sample(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p):
+def _feed_and_sample(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, state, values):
     if dec.vmap_policies or dec.vmap_streams:
         raise ValueError("feed_and_sample runs one policy on one stream (vmap_policies=False, vmap_streams=False)")
-    nxt, cache, rng = _sample_step(dec, params, tokens_BxC, cache, policy, n_valid, rng, temperature, top_p)
-    return nxt, dec._pin(cache)[0], rng
+    nxt, cache, state = _sample_step(dec, params, tokens_BxC, cache, policy, n_valid, state, values)
+    return nxt, dec._pin(cache)[0], state
 
 
-def _stream_step(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, rng_N, temperature, top_p):
-    """One vmap_streams step: (next_N, cache, rng_N), each stream's rng split only if it moved."""
-    def one(tokens_C, cache, n_valid, rng):
-        nxt, cache, new_rng = _sample_step(dec, params, tokens_C[None], cache, policy, n_valid, rng, temperature,
-                                           top_p)
-        return nxt[0], cache, jnp.where(n_valid > 0, new_rng, rng)
+def _stream_step(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, state_N, values_N):
+    """One vmap_streams step: (next_N, cache, state_N), each stream's rng split only if it moved."""
+    def one(tokens_C, cache, n_valid, rng, recent_R, values):
+        nxt, cache, new = _sample_step(dec, params, tokens_C[None], cache, policy, n_valid,
+                                       SamplerState(rng, recent_R[None]), values)
+        return nxt[0], cache, SamplerState(jnp.where(n_valid > 0, new.rng, rng), new.recent[0])
 
-    return dec._map(one, None, (0, 0, 0, 0))(tokens_NxC, cache, n_valid_N, rng_N)
+    return dec._map(one, None, (0, 0, 0, 0, 0, 0))(tokens_NxC, cache, n_valid_N, state_N.rng, state_N.recent,
+                                                   values_N)
 
 
-def _reset_streams(dec: Decoder, cache, reset_N):
-    """The streams marked in reset_N replaced by an empty cache (a new stream joins that slot)."""
+def _reset_streams(dec: Decoder, cache, reset_N, state_N: SamplerState):
+    """The streams marked in reset_N replaced by an empty cache and ring (a new stream joins that slot)."""
     empty = init_cache(dec.spec)
-    return jax.tree.map(lambda c, e: jnp.where(reset_N.reshape((-1,) + (1,) * e.ndim), e, c), cache, empty)
+    cache = jax.tree.map(lambda c, e: jnp.where(reset_N.reshape((-1,) + (1,) * e.ndim), e, c), cache, empty)
+    if state_N is None:
+        return cache
+    return cache, state_N._replace(recent=jnp.where(reset_N[:, None], -1, state_N.recent))
 
 
 @_jit(donate=3)
-def _feed_streams(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, reset_N, rng_N, temperature, top_p):
+def _feed_streams(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, reset_N, state_N, values_N):
     if not dec.vmap_streams:
         raise ValueError("feed_streams needs a vmap_streams Decoder")
-    cache = _reset_streams(dec, cache, reset_N)
-    nxt, cache, rng_N = _stream_step(dec, params, tokens_NxC, cache, policy, n_valid_N, rng_N, temperature, top_p)
-    return nxt, dec._pin(cache)[0], rng_N
+    cache, state_N = _reset_streams(dec, cache, reset_N, state_N)
+    nxt, cache, state_N = _stream_step(dec, params, tokens_NxC, cache, policy, n_valid_N, state_N, values_N)
+    return nxt, dec._pin(cache)[0], state_N
 
 
 def _stream_feed_body(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N, reset_N):
     """(logits [N, C, V], cache) of one chunk per stream (the streams in reset_N reset first)."""
     if not dec.vmap_streams:
         raise ValueError("score_streams / advance_streams need a vmap_streams Decoder")
-    cache = _reset_streams(dec, cache, reset_N)
+    cache = _reset_streams(dec, cache, reset_N, None)
 
     def one(tokens_C, cache, n_valid):
         logits, cache = step(dec.apply_fn, params, tokens_C[None], cache, dec._policy(policy), n_valid,
@@ -317,11 +374,11 @@ def _advance_streams(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N,
 
 
 @_jit(donate=2)
-def _generate_streams(dec: Decoder, params, cache, policy, pending_N, budget_N, rng_N, temperature, top_p, eos_E,
+def _generate_streams(dec: Decoder, params, cache, policy, pending_N, budget_N, state_N, values_N, eos_E,
                       feed_only_N, reset_N):
     if not dec.vmap_streams:
         raise ValueError("generate_streams needs a vmap_streams Decoder")
-    cache = _reset_streams(dec, cache, reset_N)
+    cache, state_N = _reset_streams(dec, cache, reset_N, state_N)
     K, N = dec.gen_block, pending_N.shape[0]
 
     def cond(carry):
@@ -329,20 +386,20 @@ def _generate_streams(dec: Decoder, params, cache, policy, pending_N, budget_N, 
         return (i < K) & jnp.any(budget > 0)
 
     def body(carry):
-        i, pending, budget, feed_only, cache, rng, out = carry
+        i, pending, budget, feed_only, cache, state, out = carry
         live = budget > 0
         emit = live & ~feed_only
         out = out.at[:, i].set(jnp.where(emit, pending, -1))
         eos = emit & jnp.isin(pending, eos_E)
         fed = live & ~eos
         budget = jnp.where(eos, 0, budget - emit.astype(jnp.int32))
-        nxt, cache, rng = _stream_step(dec, params, pending[:, None], cache, policy, fed.astype(jnp.int32), rng,
-                                       temperature, top_p)
-        return i + 1, jnp.where(fed, nxt, pending), budget, jnp.zeros_like(feed_only), cache, rng, out
+        nxt, cache, state = _stream_step(dec, params, pending[:, None], cache, policy, fed.astype(jnp.int32), state,
+                                         values_N)
+        return i + 1, jnp.where(fed, nxt, pending), budget, jnp.zeros_like(feed_only), cache, state, out
 
-    init = (jnp.int32(0), pending_N, budget_N, feed_only_N, cache, rng_N, jnp.full((N, K), -1, jnp.int32))
-    i, pending, budget, _, cache, rng, out = jax.lax.while_loop(cond, body, init)
-    return StreamsGenerated(out, i, pending, budget, dec._pin(cache)[0], rng)
+    init = (jnp.int32(0), pending_N, budget_N, feed_only_N, cache, state_N, jnp.full((N, K), -1, jnp.int32))
+    i, pending, budget, _, cache, state, out = jax.lax.while_loop(cond, body, init)
+    return StreamsGenerated(out, i, pending, budget, dec._pin(cache)[0], state)
 
 
 @_jit(donate=2)
@@ -363,7 +420,7 @@ def _score(dec: Decoder, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_v
 
 
 @_jit(donate=2)
-def _generate(dec: Decoder, params, cache, policy, pending_B, rng, temperature, top_p, n_steps, eos_E):
+def _generate(dec: Decoder, params, cache, policy, pending_B, state, values, n_steps, eos_E):
     if dec.vmap_policies or dec.vmap_streams:
         raise ValueError("generate runs one policy on one stream (vmap_policies=False, vmap_streams=False)")
     K = dec.gen_block
@@ -378,20 +435,19 @@ def _generate(dec: Decoder, params, cache, policy, pending_B, rng, temperature, 
         return (i < n_steps) & ~jnp.all(done | is_eos(pending))
 
     def body(carry):
-        i, pending, done, cache, rng, out = carry
+        i, pending, done, cache, state, out = carry
         out = out.at[:, i].set(jnp.where(done, -1, pending))
         done = done | is_eos(pending)
-        nxt, cache, rng = _sample_step(dec, params, pending[:, None], cache, policy, jnp.int32(1), rng, temperature,
-                                       top_p)
-        return i + 1, jnp.where(done, pending, nxt), done, cache, rng, out
+        nxt, cache, state = _sample_step(dec, params, pending[:, None], cache, policy, jnp.int32(1), state, values)
+        return i + 1, jnp.where(done, pending, nxt), done, cache, state, out
 
-    init = (jnp.int32(0), pending_B, jnp.zeros((B,), bool), cache, rng, jnp.full((B, K), -1, jnp.int32))
-    i, pending, done, cache, rng, out = jax.lax.while_loop(cond, body, init)
+    init = (jnp.int32(0), pending_B, jnp.zeros((B,), bool), cache, state, jnp.full((B, K), -1, jnp.int32))
+    i, pending, done, cache, state, out = jax.lax.while_loop(cond, body, init)
     last = (i < n_steps) & ~done & is_eos(pending)  # rows that stopped on an end-of-sequence token: emit it
     out = out.at[:, jnp.minimum(i, K - 1)].set(jnp.where(last, pending, out[:, jnp.minimum(i, K - 1)]))
     i = i + jnp.any(last).astype(jnp.int32)
     done = done | last
-    return Generated(out, i, pending, done, dec._pin(cache)[0], rng)
+    return Generated(out, i, pending, done, dec._pin(cache)[0], state)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import numpy as np
 from rsqr_jax import policy as P
 from rsqr_jax.engine import Decoder, policy_values
 from rsqr_jax.policy import Policy
+from rsqr_jax.sampling import Sampling
 from rsqr_jax.session import Session
 from rsqr_jax.spec import CacheSpec, validate
 from rsqr_jax.streams import Request, StreamScheduler
@@ -36,11 +37,12 @@ from rsqr_jax.streams import Request, StreamScheduler
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """Generate after context_ids: at most max_new_tokens, until an end-of-sequence id or until
-    stop(generated_ids) is true (checked after each compiled block; the caller trims what follows the stop)."""
+    stop(generated_ids) is true (checked after each compiled block; the caller trims what follows the stop).
+    sampling: the request's sampler settings (None = greedy)."""
 
     context_ids: Sequence[int]
     max_new_tokens: int
-    temperature: float = 0.0
+    sampling: Sampling | None = None
     stop: Callable[[list[int]], bool] | None = None
 
 
@@ -117,7 +119,8 @@ class SequentialEngine:
                  cold_store: dict | None = None, gen_block: int = 16, eos_ids: Sequence[int] = (), seed: int = 0):
         _setup(self, apply_fn, params, policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                max_length=max_length, chunk=chunk, dtype=dtype, cold_store=cold_store)
-        self.decoder = Decoder.for_policy(apply_fn, self.spec, policy, gen_block=gen_block)
+        self.decoder = Decoder.for_policy(apply_fn, self.spec, policy, gen_block=gen_block,
+                                          repeat_last_n=Sampling().repeat_last_n)
         self.gen_block, self.eos_ids, self.seed = gen_block, tuple(int(e) for e in eos_ids), seed
 
     def score(self, requests):
@@ -150,7 +153,8 @@ class SequentialEngine:
         if req.max_new_tokens < 1:
             return []
         session = Session(self.apply_fn, self.params, self.spec, self.policy, prefill_chunk=self.chunk,
-                          temperature=req.temperature, seed=self.seed, eos_ids=self.eos_ids, gen_block=self.gen_block)
+                          sampling=req.sampling or Sampling(), seed=self.seed, eos_ids=self.eos_ids,
+                          gen_block=self.gen_block)
         # (its Decoder equals self.decoder: every request shares one compilation of each function)
         session.feed(ctx)
         out: list[int] = []
@@ -238,13 +242,14 @@ class StreamsEngine:
 
     def generate(self, requests):
         results: list = [None] * len(requests)
-        by_temperature: dict[float, list[int]] = {}
+        # sampler settings are per-stream data; only the ring size (repeat_last_n) is a shape
+        by_ring: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
-            by_temperature.setdefault(float(r.temperature), []).append(i)
-        for temperature, indices in by_temperature.items():
+            by_ring.setdefault((r.sampling or Sampling()).repeat_last_n, []).append(i)
+        for ring, indices in by_ring.items():
             sched = StreamScheduler(self.apply_fn, self.params, self.spec, self.policy, n_slots=self.n_slots,
-                                    prefill_chunk=self.chunk, temperature=temperature, eos_ids=self.eos_ids,
-                                    gen_block=self.gen_block)
+                                    prefill_chunk=self.chunk, sampling=Sampling(repeat_last_n=ring),
+                                    eos_ids=self.eos_ids, gen_block=self.gen_block)
             run = []
             for i in indices:
                 r = requests[i]
@@ -253,7 +258,8 @@ class StreamsEngine:
                     results[i] = []
                 else:
                     run.append(i)
-                    sched.submit(Request(tuple(ctx), r.max_new_tokens, seed=self.seed, stop=r.stop))
+                    sched.submit(Request(tuple(ctx), r.max_new_tokens, seed=self.seed, stop=r.stop,
+                                         sampling=r.sampling))
             for i, f in zip(run, sched.run()):
                 results[i] = f.tokens[:-1] if f.stop == "eos" else f.tokens
         return results

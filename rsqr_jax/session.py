@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax.cache import MAX_POSITION, KVCache, cold_slots_in_use, cut_cold_store, grow_cold_store, init_cache
-from rsqr_jax.engine import Decoder, policy_values
+from rsqr_jax.engine import Decoder, SamplerState, policy_values
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy
+from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling
 from rsqr_jax.session_file import (FORMAT, FORMAT_VERSION, SessionFileError, _json_clean, _one_line, _policy_values,
                                    check_identity, read_session_file, write_session_file)
 from rsqr_jax.spec import CacheSpec, validate
@@ -42,34 +43,57 @@ class Session:
     after generation emitted an end-of-sequence token, which is never fed). `vocab_size`, when given,
     makes `feed` reject out-of-range token ids (which a gather would otherwise silently clamp).
     `extra` is a JSON-serializable dict the caller may fill; it is saved and restored with the session.
+
+    `sampling` (rsqr_jax.sampling.Sampling, default greedy) picks the tokens; its repeat_last_n sizes the
+    ring of recent token ids (`recent`: prompt and generated tokens, as llama.cpp counts them) and
+    max_candidates the sampler's candidate count. `temperature=` / `top_p=`, if given, override those two
+    fields of `sampling` (the older keywords).
     """
 
     def __init__(self, apply_fn: Callable, params, spec: CacheSpec, policy: Policy, *, prefill_chunk: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_ids: Iterable[int] = (),
-                 vocab_size: int | None = None, gen_block: int = 16):
+                 sampling: Sampling | None = None, temperature: float | None = None, top_p: float | None = None,
+                 seed: int = 0, eos_ids: Iterable[int] = (), vocab_size: int | None = None, gen_block: int = 16,
+                 max_candidates: int = DEFAULT_MAX_CANDIDATES):
         if spec.batch != 1:
             raise ValueError("a Session streams one sequence (spec.batch must be 1)")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         self.prefill_chunk = min(int(prefill_chunk), spec.max_chunk)
         validate(policy, spec, chunk=self.prefill_chunk)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        sampling = Sampling() if sampling is None else sampling
+        if not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling must be a rsqr_jax.sampling.Sampling, got {type(sampling).__name__}")
+        legacy = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+        sampling = dataclasses.replace(sampling, **legacy) if legacy else sampling  # validated again
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         self.apply_fn, self.params, self.spec, self.policy = apply_fn, params, spec, policy
-        self.decoder = Decoder(apply_fn, spec, fixed_policy=policy_values(policy), gen_block=gen_block)
-        self.temperature, self.top_p, self.seed = float(temperature), float(top_p), int(seed)
+        self.decoder = Decoder(apply_fn, spec, fixed_policy=policy_values(policy), gen_block=gen_block,
+                               repeat_last_n=sampling.repeat_last_n, max_candidates=max_candidates)
+        self.sampling, self.seed = sampling, int(seed)
+        self._values = sampling.values()
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.cache: KVCache = init_cache(spec)
         self.rng = jax.random.PRNGKey(self.seed)
+        self.recent = jnp.full((1, sampling.repeat_last_n), -1, jnp.int32)
         self.pending: int | None = None
         self.extra: dict = {}
         self._warm: set[str] = set()
         self.compile_s = 0.0
+
+    @property
+    def temperature(self) -> float:
+        return float(self.sampling.temperature)
+
+    @property
+    def top_p(self) -> float:
+        return float(self.sampling.top_p)
+
+    @property
+    def state(self) -> SamplerState:
+        """The sampler state the next call continues from (rng key, ring of recent token ids)."""
+        return SamplerState(self.rng, self.recent)
 
     @property
     def n_tokens(self) -> int:
@@ -86,19 +110,19 @@ class Session:
             t0 = time.perf_counter()
             scratch = jax.tree.map(jnp.copy, self.cache)
             if name == "generate":
-                out = self.decoder.generate(self.params, scratch, None, jnp.zeros((1,), jnp.int32), self.rng,
-                                            self.temperature, self.top_p, 0, self.eos_ids)
+                out = self.decoder.generate(self.params, scratch, None, jnp.zeros((1,), jnp.int32), self.state,
+                                            self._values, 0, self.eos_ids)
             else:
                 c = self.prefill_chunk if name == "prefill" else 1
                 out = self.decoder.feed_and_sample(self.params, np.zeros((1, c), np.int32), scratch, None, c,
-                                                   self.rng, self.temperature, self.top_p)
+                                                   self.state, self._values)
             jax.block_until_ready(out)
             self._warm.add(name)
             self.compile_s += time.perf_counter() - t0
 
     def _run(self, ids: np.ndarray, n_valid: int) -> int:
-        nxt, self.cache, self.rng = self.decoder.feed_and_sample(
-            self.params, ids[None], self.cache, None, n_valid, self.rng, self.temperature, self.top_p)
+        nxt, self.cache, (self.rng, self.recent) = self.decoder.feed_and_sample(
+            self.params, ids[None], self.cache, None, n_valid, self.state, self._values)
         return int(nxt[0])
 
     def _check_ids(self, ids) -> np.ndarray:
@@ -146,8 +170,8 @@ class Session:
             # Every emitted token but an end-of-sequence one is fed: room for n of them.
             self._check_room(n)
             res = self.decoder.generate(self.params, self.cache, None, jnp.asarray([self.pending], jnp.int32),
-                                        self.rng, self.temperature, self.top_p, n, self.eos_ids)
-            self.cache, self.rng = res.cache, res.rng
+                                        self.state, self._values, n, self.eos_ids)
+            self.cache, (self.rng, self.recent) = res.cache, res.state
             k = int(res.n_steps)
             block = [int(x) for x in np.asarray(res.tokens_BxK[0, :k])]
             for tok in block:
@@ -177,12 +201,15 @@ class Session:
         fields = cut_cold_store(fields, cold_used, self.spec.page_size)
         arrays = {f"cache.{k}": v for k, v in fields.items()}
         arrays["rng"] = np.asarray(self.rng)
+        arrays["recent"] = np.asarray(self.recent)
         header = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "identity": _json_clean(identity, "identity"), "extra": _json_clean(self.extra, "extra"),
             "spec": dataclasses.asdict(self.spec),
             "policy": {f.name: int(np.asarray(getattr(self.policy, f.name))) for f in dataclasses.fields(Policy)},
-            "prefill_chunk": self.prefill_chunk, "temperature": self.temperature, "top_p": self.top_p,
+            "prefill_chunk": self.prefill_chunk, "sampling": self.sampling.to_json(),
+            "max_candidates": self.decoder.max_candidates,
+            "temperature": self.temperature, "top_p": self.top_p,  # also in "sampling"; for older readers
             "seed": self.seed, "eos_ids": sorted(self.eos_ids), "vocab_size": self.vocab_size,
             "pending": self.pending, "n_tokens": self.n_tokens, "cold_slots_saved": cold_used,
         }
@@ -194,7 +221,9 @@ class Session:
         """Resume a saved session on the model (apply_fn, params) named by `identity`.
 
         The cache, counters, policy, sampler state (rng key included), pending token and `extra` come
-        back exactly, so continuing gives the same tokens as a run that was never interrupted. `spec`
+        back exactly (the sampling settings and the ring of recent token ids too; a file written before
+        they were saved holds only temperature and top_p, and resumes with an empty ring), so continuing
+        gives the same tokens as a run that was never interrupted. `spec`
         / `policy`, if given, must equal the saved ones. Raises SessionFileError (one line) otherwise.
         """
         header, arrays = read_session_file(path)
@@ -226,6 +255,7 @@ class Session:
             e = getattr(expected, f.name)
             if f"cache.{f.name}" not in arrays and not math.prod(e.shape):
                 arrays[f"cache.{f.name}"] = np.zeros(e.shape, e.dtype)
+        recent = arrays.pop("recent", None)  # absent: a file from before the ring was saved (empty ring)
         if set(arrays) != cache_names | {"rng"}:
             raise SessionFileError(f"{name} holds arrays {sorted(arrays)}, expected {sorted(cache_names | {'rng'})}")
         for f in dataclasses.fields(KVCache):
@@ -234,10 +264,16 @@ class Session:
                 raise SessionFileError(f"{name}: array {f.name} is {a.dtype}{list(a.shape)} but its spec needs "
                                        f"{e.dtype}{list(e.shape)}")
         try:
+            if "sampling" in header:
+                sampling = Sampling.from_json(header["sampling"])
+            else:
+                sampling = Sampling(temperature=float(header["temperature"]), top_p=float(header["top_p"]))
             session = cls(apply_fn, params, saved_spec, saved_policy, prefill_chunk=int(header["prefill_chunk"]),
-                          temperature=float(header["temperature"]), top_p=float(header["top_p"]),
-                          seed=int(header["seed"]), eos_ids=[int(e) for e in header["eos_ids"]],
-                          vocab_size=header["vocab_size"])
+                          sampling=sampling, seed=int(header["seed"]), eos_ids=[int(e) for e in header["eos_ids"]],
+                          vocab_size=header["vocab_size"],
+                          max_candidates=header.get("max_candidates", DEFAULT_MAX_CANDIDATES))
+            if recent is not None and (recent.shape != session.recent.shape or recent.dtype != session.recent.dtype):
+                raise ValueError(f"recent-token ring {recent.dtype}{list(recent.shape)}")
             pending = header["pending"]
             if pending is not None and (not isinstance(pending, int) or isinstance(pending, bool)):
                 raise ValueError(f"pending token {pending!r}")
@@ -251,6 +287,8 @@ class Session:
             raise SessionFileError(f"{name} holds an invalid session: {_one_line(e)}") from None
         session.cache = KVCache(**{f.name: jnp.asarray(arrays[f"cache.{f.name}"]) for f in dataclasses.fields(KVCache)})
         session.rng = jnp.asarray(rng)
+        if recent is not None:
+            session.recent = jnp.asarray(recent)
         session.pending = pending
         session.extra = header["extra"]
         return session

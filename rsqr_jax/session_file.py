@@ -3,10 +3,13 @@
 The archive holds:
 
 * ``header``: UTF-8 JSON: format name and version, the caller's model identity, the CacheSpec, the
-  policy values, the sampler settings (temperature, top_p, seed), eos ids, the pending token, the
+  policy values, the sampler settings (``sampling``: rsqr_jax.sampling.Sampling.to_json(), with
+  ``max_candidates`` and ``seed``; ``temperature`` and ``top_p`` repeated at the top level, the only
+  sampler settings of older files), eos ids, the pending token, the
   caller's ``extra`` dict (e.g. a chat transcript), the name/dtype/shape of every array, and a
   SHA-256 checksum over the header (without the checksum) and every array's name, dtype, shape, bytes;
-* one entry per array (every KVCache field, and the rng key), stored as its raw bytes (so bfloat16
+* one entry per array (every KVCache field, the rng key, and ``recent``: the ring of the last
+  repeat_last_n token ids fed, absent from older files), stored as its raw bytes (so bfloat16
   and any other dtype round-trip exactly).
 
 Writes are atomic: a temporary file in the target directory, fsync, then os.replace, so a crash
@@ -167,6 +170,7 @@ _INT, _NUM = (int,), (int, float)
 _HEADER_FIELDS = {"identity": (dict,), "extra": (dict,), "spec": (dict,), "policy": (dict,), "prefill_chunk": _INT,
                   "temperature": _NUM, "top_p": _NUM, "seed": _INT, "eos_ids": (list,),
                   "vocab_size": _INT + (type(None),), "pending": _INT + (type(None),), "n_tokens": _INT}
+_OPTIONAL_FIELDS = {"sampling": (dict,), "max_candidates": _INT}  # absent from older files
 
 
 def _check_header_fields(name: str, header: dict) -> None:
@@ -176,6 +180,10 @@ def _check_header_fields(name: str, header: dict) -> None:
     for key, types in _HEADER_FIELDS.items():
         v = header.get(key)
         if key not in header or not isinstance(v, types) or isinstance(v, bool):
+            raise SessionFileError(f"{name} has a malformed header: field {key!r} = {v!r}")
+    for key, types in _OPTIONAL_FIELDS.items():
+        v = header.get(key)
+        if key in header and (not isinstance(v, types) or isinstance(v, bool)):
             raise SessionFileError(f"{name} has a malformed header: field {key!r} = {v!r}")
     pol = header["policy"]
     if (not all(isinstance(pol.get(f.name), int) for f in dataclasses.fields(Policy))

@@ -23,12 +23,16 @@ docs/streams.md, "Join stall"). The tokens are the same either way.
 
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=16, prefill_chunk=64, eos_ids=eos)
     results = sched.run([Request(ids, max_new_tokens=64) for ids in prompts])   # in request order
+
+Sampling: the scheduler's `sampling` (rsqr_jax.sampling.Sampling, default greedy) applies to every request
+without its own; `Request(..., sampling=...)` overrides it for that stream (the values are per-stream data,
+so mixing settings costs no compilation). The scheduler's repeat_last_n is the size of every stream's ring
+of recent token ids; a request may use a shorter window, not a longer one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Callable, Iterable
 
@@ -37,9 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax.cache import KVCache
-from rsqr_jax.engine import Decoder, policy_values
+from rsqr_jax.engine import Decoder, SamplerState, policy_values
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy
+from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, stack_values
 from rsqr_jax.spec import CacheSpec, validate
 
 
@@ -47,12 +52,14 @@ from rsqr_jax.spec import CacheSpec, validate
 class Request:
     """A prompt (token ids) to continue by up to max_new_tokens tokens; seed: the stream's rng key.
     stop(emitted_ids) -> True ends the request early (checked after each generation block, so the tokens
-    of the rest of that block are kept: the caller trims them)."""
+    of the rest of that block are kept: the caller trims them). sampling: this request's settings (None:
+    the scheduler's)."""
 
     ids: tuple[int, ...]
     max_new_tokens: int
     seed: int = 0
     stop: Callable[[list[int]], bool] | None = None
+    sampling: Sampling | None = None
 
 
 @dataclasses.dataclass
@@ -82,28 +89,32 @@ class StreamScheduler:
     """A queue of requests over n_slots streams of one policy; see the module docstring."""
 
     def __init__(self, apply_fn: Callable, params, spec: CacheSpec, policy: Policy, *, n_slots: int,
-                 prefill_chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 eos_ids: Iterable[int] = (), gen_block: int = 16, vocab_size: int | None = None,
-                 interleave: bool = False):
+                 prefill_chunk: int = 64, sampling: Sampling | None = None, temperature: float | None = None,
+                 top_p: float | None = None, eos_ids: Iterable[int] = (), gen_block: int = 16,
+                 vocab_size: int | None = None, interleave: bool = False,
+                 max_candidates: int = DEFAULT_MAX_CANDIDATES):
         if isinstance(n_slots, bool) or not isinstance(n_slots, (int, np.integer)) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        sampling = Sampling() if sampling is None else sampling
+        if not isinstance(sampling, Sampling):
+            raise ValueError(f"sampling must be a rsqr_jax.sampling.Sampling, got {type(sampling).__name__}")
+        legacy = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+        sampling = dataclasses.replace(sampling, **legacy) if legacy else sampling  # validated again
         self.prefill_chunk = min(int(prefill_chunk), spec.max_chunk)  # as Session does
         validate(policy, spec, chunk=self.prefill_chunk)
         self.params, self.spec, self.policy = params, spec, policy
         self.n_slots, self.interleave = int(n_slots), bool(interleave)
         self.decoder = Decoder(apply_fn, spec, fixed_policy=policy_values(policy), gen_block=gen_block,
-                               vmap_streams=True)
-        self.temperature, self.top_p = float(temperature), float(top_p)
+                               vmap_streams=True, repeat_last_n=sampling.repeat_last_n, max_candidates=max_candidates)
+        self.sampling = sampling
+        self.values_N = stack_values([sampling] * int(n_slots))  # per slot, set when a request joins
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.cache: KVCache = self.decoder.init_cache(n_streams=self.n_slots)
         self.rng_N = np.zeros((self.n_slots, 2), np.uint32)
+        self.recent_N = jnp.full((self.n_slots, sampling.repeat_last_n), -1, jnp.int32)  # reset as a stream joins
         self.slots: list[_Slot | None] = [None] * self.n_slots
         self._fresh = np.zeros(self.n_slots, bool)  # slots to reset in the next compiled call
         self.queue: list[tuple[int, Request]] = []
@@ -128,6 +139,12 @@ class StreamScheduler:
             raise ValueError(f"max_new_tokens must be positive, got {request.max_new_tokens}")
         if not 0 <= request.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {request.seed}")
+        if request.sampling is not None:
+            if not isinstance(request.sampling, Sampling):
+                raise ValueError(f"a request's sampling must be a Sampling, got {type(request.sampling).__name__}")
+            if request.sampling.repeat_last_n > self.sampling.repeat_last_n:
+                raise ValueError(f"a request's repeat_last_n {request.sampling.repeat_last_n} exceeds the "
+                                 f"scheduler's ring of {self.sampling.repeat_last_n} tokens")
         need = ids.size + request.max_new_tokens
         if int(np.asarray(self.policy.mode)) == P_FULL and need > self.spec.win_capacity:
             raise ValueError(f"prompt of {ids.size} tokens + {request.max_new_tokens} new ones exceeds the full "
@@ -150,17 +167,33 @@ class StreamScheduler:
         return sum(s is not None for s in self.slots)
 
     # ------------------------------------------------------------------------------------------------
+    @property
+    def temperature(self) -> float:
+        return float(self.sampling.temperature)
+
+    @property
+    def top_p(self) -> float:
+        return float(self.sampling.top_p)
+
+    def _state(self) -> SamplerState:
+        # copies: on CPU a numpy argument may be read in place by the asynchronously running call
+        return SamplerState(self.rng_N.copy(), self.recent_N)
+
+    def _values(self):
+        return type(self.values_N)(*(x.copy() for x in self.values_N))
+
     def warmup(self) -> None:
         """Compile the two functions now on a throwaway cache (so timings exclude compilation; compile_s)."""
         t0 = time.perf_counter()
         zeros = np.zeros(self.n_slots, np.int32)
         scratch = jax.tree.map(jnp.copy, self.cache)
+        state = SamplerState(self.rng_N.copy(), jnp.copy(self.recent_N))
         jax.block_until_ready(self.decoder.feed_streams(
             self.params, np.zeros((self.n_slots, self.prefill_chunk), np.int32), scratch, None, zeros,
-            np.zeros(self.n_slots, bool), self.rng_N.copy(), self.temperature, self.top_p))
+            np.zeros(self.n_slots, bool), state, self._values()))
         scratch = jax.tree.map(jnp.copy, self.cache)
-        jax.block_until_ready(self.decoder.generate_streams(self.params, scratch, None, zeros, zeros, self.rng_N,
-                                                            self.temperature, self.top_p, self.eos_ids))
+        jax.block_until_ready(self.decoder.generate_streams(self.params, scratch, None, zeros, zeros, state,
+                                                            self._values(), self.eos_ids))
         self.compile_s += time.perf_counter() - t0
 
     def _admit(self) -> None:
@@ -170,6 +203,9 @@ class StreamScheduler:
                 self.slots[i] = _Slot(index, req, np.asarray(req.ids, np.int32))
                 self._fresh[i] = True
                 self.rng_N[i] = np.asarray(jax.random.PRNGKey(req.seed))
+                own = self.sampling if req.sampling is None else req.sampling
+                for k, col in zip(type(self.values_N)._fields, stack_values([own])):
+                    getattr(self.values_N, k)[i] = col[0]
         self._promote()
 
     def _promote(self) -> None:
@@ -190,11 +226,10 @@ class StreamScheduler:
             part = self.slots[i].todo[:C]
             tokens[i, :part.size], n_valid[i] = part, part.size
         # copies: on CPU a numpy argument may be read in place by the asynchronously running call
-        nxt, self.cache, rng = self.decoder.feed_streams(self.params, tokens, self.cache, None, n_valid,
-                                                         self._fresh.copy(), self.rng_N.copy(), self.temperature,
-                                                         self.top_p)
+        nxt, self.cache, state = self.decoder.feed_streams(self.params, tokens, self.cache, None, n_valid,
+                                                           self._fresh.copy(), self._state(), self._values())
         self._fresh[:] = False
-        self.rng_N = np.array(rng)
+        self.rng_N, self.recent_N = np.array(state.rng), state.recent
         nxt = np.asarray(nxt)
         for i in rows:
             s = self.slots[i]
@@ -207,10 +242,10 @@ class StreamScheduler:
         pending = np.array([s.pending if s is not None and s.budget > 0 else 0 for s in self.slots], np.int32)
         budget = np.array([s.budget if s is not None else 0 for s in self.slots], np.int32)
         feed_only = np.array([s is not None and s.feed_only for s in self.slots], bool)
-        res = self.decoder.generate_streams(self.params, self.cache, None, pending, budget, self.rng_N.copy(),
-                                            self.temperature, self.top_p, self.eos_ids, feed_only, self._fresh.copy())
+        res = self.decoder.generate_streams(self.params, self.cache, None, pending, budget, self._state(),
+                                            self._values(), self.eos_ids, feed_only, self._fresh.copy())
         self._fresh[:] = False
-        self.cache, self.rng_N = res.cache, np.array(res.rng_N)
+        self.cache, self.rng_N, self.recent_N = res.cache, np.array(res.state_N.rng), res.state_N.recent
         tokens, left, nxt = np.asarray(res.tokens_NxK), np.asarray(res.budget_N), np.asarray(res.pending_N)
         done = []
         for i, s in enumerate(self.slots):

@@ -18,6 +18,7 @@ import pytest
 from rsqr_jax import policy as P
 from rsqr_jax.spec import CacheSpec, validate
 from rsqr_jax.policy import PolicyError
+from rsqr_jax.sampling import Sampling
 from rsqr_jax.session import Session, SessionFileError
 from rsqr_jax.engine import stream_nll
 from tests.cli import assert_one_line_error, run_scripts
@@ -243,9 +244,13 @@ def test_session_constructor_rejects():
     cases = [
         (dict(spec=dataclasses.replace(SPEC, batch=2)), "spec.batch must be 1"),
         (dict(prefill_chunk=0), "prefill_chunk must be a positive integer"),
-        (dict(top_p=0.0), "top_p must be in (0, 1]"),
-        (dict(temperature=-1.0), "temperature must be finite and >= 0"),
-        (dict(temperature=float("inf")), "temperature must be finite and >= 0"),
+        (dict(sampling=dict(top_p=0.0)), "top_p must be in (0, 1]"),
+        (dict(sampling=dict(temperature=-1.0)), "temperature must be finite and >= 0"),
+        (dict(sampling=dict(temperature=float("inf"))), "temperature must be finite and >= 0"),
+        (dict(sampling=dict(min_p=1.0)), "min_p must be in [0, 1)"),
+        (dict(sampling=dict(top_k=-1)), "top_k must be an integer >= 0"),
+        (dict(sampling=dict(repeat_penalty=0.0)), "repeat_penalty must be > 0"),
+        (dict(sampling=dict(frequency_penalty=float("nan"))), "frequency_penalty must be a finite number"),
         (dict(seed=2**32), "seed must be an integer in [0, 2**32)"),
         (dict(policy=P.rsqr(window=64)), "exceeds the window capacity"),  # PolicyError (a ValueError)
     ]
@@ -253,6 +258,8 @@ def test_session_constructor_rejects():
         args = dict(spec=SPEC, policy=pol) | kw
         spec, policy = args.pop("spec"), args.pop("policy")
         with pytest.raises(ValueError) as e:
+            if "sampling" in args:
+                args["sampling"] = Sampling(**args["sampling"])
             Session(apply_fn, params, spec, policy, **args)
         assert fragment in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
 

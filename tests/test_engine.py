@@ -12,7 +12,7 @@ import pytest
 
 from rsqr_jax import policy as P
 from rsqr_jax.engine import TRACES, Decoder, policy_values, stream_nll
-from rsqr_jax.sampling import sample
+from rsqr_jax.sampling import Sampling, sample
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.update import step
@@ -62,12 +62,12 @@ def test_generate_loop_equals_feeding_token_by_token(policy):
     dec = Decoder.for_policy(apply_fn, SPEC, policy, gen_block=5)
     prompt = _seeded("generate").integers(0, CFG.vocab_size, size=(1, 4))
     rng = jax.random.PRNGKey(0)
-    nxt, cache, rng = dec.feed_and_sample(params, prompt, dec.init_cache(), None, 4, rng, 0.0, 1.0)
+    nxt, cache, rng = dec.feed_and_sample(params, prompt, dec.init_cache(), None, 4, rng, Sampling())
     ref_cache = jax.tree.map(jnp.copy, cache)
     got, pending = [], nxt
     for _ in range(4):  # 4 blocks of 5 = 20 tokens, one host round trip per block
-        out = dec.generate(params, cache, None, pending, rng, 0.0, 1.0, 5, eos_ids=())
-        cache, rng, pending = out.cache, out.rng, out.pending_B
+        out = dec.generate(params, cache, None, pending, rng, Sampling(), 5, eos_ids=())
+        cache, rng, pending = out.cache, out.state, out.pending_B
         assert int(out.n_steps) == 5 and not bool(out.done_B[0])
         got += [int(t) for t in np.asarray(out.tokens_BxK[0])]
     want, tok, c = [], int(nxt[0]), ref_cache
@@ -84,12 +84,12 @@ def test_generate_stops_at_end_of_sequence_without_feeding_it():
     dec = Decoder.for_policy(apply_fn, SPEC, POLICIES[0], gen_block=8)
     prompt = _seeded("eos").integers(0, CFG.vocab_size, size=(1, 3))
     rng = jax.random.PRNGKey(1)
-    nxt, cache, rng = dec.feed_and_sample(params, prompt, dec.init_cache(), None, 3, rng, 0.0, 1.0)
-    free = dec.generate(params, jax.tree.map(jnp.copy, cache), None, nxt, rng, 0.0, 1.0, 8, eos_ids=())
+    nxt, cache, rng = dec.feed_and_sample(params, prompt, dec.init_cache(), None, 3, rng, Sampling())
+    free = dec.generate(params, jax.tree.map(jnp.copy, cache), None, nxt, rng, Sampling(), 8, eos_ids=())
     stream = [int(t) for t in np.asarray(free.tokens_BxK[0])]
     eos = stream[3]  # the 4th greedy token, declared end-of-sequence
     stop = stream.index(eos)
-    out = dec.generate(params, cache, None, nxt, rng, 0.0, 1.0, 8, eos_ids=(eos,))
+    out = dec.generate(params, cache, None, nxt, rng, Sampling(), 8, eos_ids=(eos,))
     assert bool(out.done_B[0]) and int(out.n_steps) == stop + 1
     assert [int(t) for t in np.asarray(out.tokens_BxK[0, :stop + 1])] == stream[:stop + 1]
     assert (np.asarray(out.tokens_BxK[0, stop + 1:]) == -1).all()
@@ -134,9 +134,11 @@ def test_nucleus_keeps_exactly_the_smallest_set_reaching_top_p():
     # One compiled draw of many keys (eager sampling dispatched ~2k small executables: 36k memory maps).
     draws = jax.jit(jax.vmap(sample, in_axes=(None, 0, None, None)))
     keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(2**31))), 300)
+    no_ring = jnp.zeros((1, 0), jnp.int32)
 
     def drawn(lg, top_p):
-        return set(np.asarray(draws(jnp.asarray(lg), keys, jnp.float32(1.0), jnp.float32(top_p)))[:, 0].tolist())
+        v = Sampling(temperature=1.0, top_p=top_p).values()
+        return set(np.asarray(draws(jnp.asarray(lg), keys, v, no_ring))[:, 0].tolist())
 
     assert drawn(logits, 0.7) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3: the nucleus is the two most likely tokens
     assert drawn(logits, 0.81) == {0, 1, 2}

@@ -26,6 +26,7 @@ from rsqr_jax import policy as P
 from rsqr_jax.engine import TRACES
 from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
 from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
+from rsqr_jax.sampling import Sampling
 from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
 from rsqr_jax.update import commit, plan_step
 
@@ -493,8 +494,8 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
     ident = {"model": "tiny-random", "seed": 0}
 
     def session():
-        return Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size, temperature=8.0,
-                       seed=3)
+        return Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size,
+                       sampling=Sampling(temperature=8.0), seed=3)
 
     ref = session()
     ref.feed(a)
@@ -602,11 +603,113 @@ def test_concurrent_streams_with_recall_equal_each_stream_alone(score):
     apply_fn, params = _model(0)
     alone = []
     for ids in prompts:
-        s = Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size, temperature=8.0, seed=5)
+        s = Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size,
+                    sampling=Sampling(temperature=8.0), seed=5)
         s.feed(ids)
         alone.append(s.generate(5))
     sched = StreamScheduler(apply_fn, params, spec, pol, n_slots=2, prefill_chunk=4, vocab_size=CFG.vocab_size,
-                            temperature=8.0)
+                            sampling=Sampling(temperature=8.0))
     got = sched.run([Request(tuple(ids), 5, seed=5) for ids in prompts])
     assert [f.tokens for f in got] == alone
     assert len({tuple(a) for a in alone}) == 3  # sampled (temperature 8), distinct continuations
+
+
+@pytest.mark.parametrize("rule", ["mean", "quest", "max"])
+def test_scoring_only_the_filled_pages_gives_every_score_bit_for_bit(rule):
+    """live_page_scores (blocks of pages over the first live_pages pages, the last block moved back to end at
+    the last page) against page_scores over the whole store: equal bit for bit for an empty store, a filling
+    prefix and a wrapped ring, at block sizes that divide the page count, do not, and exceed it."""
+    from rsqr_jax.recall import live_page_scores
+
+    rng = np.random.default_rng(_seed(f"live-{rule}"))
+    B, C, Hq, Hkv, D, n_pages, Pg = 2, 2, 4, 2, 8, 7, 3
+    Nc = n_pages * Pg
+    q = jnp.asarray(rng.normal(size=(B, C, Hq, D)), jnp.float32)
+    k_glob = jnp.asarray(rng.normal(size=(B, Hkv, Nc, D)), jnp.float32)
+    summ = [jnp.asarray(rng.normal(size=(B, Hkv, n_pages, D)), jnp.float32) for _ in range(3)]
+    inv = jnp.asarray(1.0 / 10000 ** (np.arange(0, D, 2) / D), jnp.float32)
+    gather = lambda slots: k_glob[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None], slots[:, None, :]]  # noqa: E731
+    for filled in (0, 1, 5, 11, Nc - 2, Nc):  # written slots 0 .. filled - 1 (Nc: the ring wrapped)
+        cold_pos = np.where(np.arange(Nc) < filled, np.arange(Nc) + 30, -1).astype(np.int32)
+        valid = (cold_pos >= 0) & (rng.random(Nc) < 0.8)
+        live = -(-int(np.flatnonzero(valid).max(initial=-1) + 1) // Pg)
+        for block in (1, 2, 3, n_pages, 64):
+            rc = Recall(jnp.int32(2), jnp.asarray(valid), jnp.zeros((1,), jnp.int32), jnp.asarray([60, 61], jnp.int32),
+                        jnp.asarray([True, False]), jnp.asarray(True), 2, live_pages=jnp.int32(live), score_block=block)
+            args = (q, summ[0], jnp.asarray(cold_pos), rc, inv)
+            if rule == "max":
+                want, got = page_scores(*args, None, None, k_glob), live_page_scores(*args, None, None, gather)
+            elif rule == "quest":
+                want, got = page_scores(*args, summ[1], summ[2]), live_page_scores(*args, summ[1], summ[2])
+            else:
+                want, got = page_scores(*args), live_page_scores(*args)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{filled} {block}")
+        assert np.isfinite(np.asarray(want)).sum() == B * np.any(valid.reshape(n_pages, Pg), 1).sum()
+
+
+def _logits_token_by_token(apply_fn, params, spec, pol, tokens, chunk):
+    dec = rj.Decoder(apply_fn, spec)
+    cache, out = dec.init_cache(), []
+    for t in range(0, tokens.shape[1], chunk):
+        logits, cache = dec.feed(params, tokens[:, t:t + chunk], cache, pol)
+        out.append(np.asarray(logits[0]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("rule,chunk", [("max", 1), ("mean", 1), ("quest", 1), ("shortlist", 1), ("max", 4),
+                                        ("shortlist", 4)])
+def test_skipping_an_empty_store_and_scoring_its_fill_changes_no_bit(monkeypatch, rule, chunk):
+    """The recall tier as it runs (nothing scored, gathered or attended while nothing is recallable; only the
+    filled blocks scored while the ring fills) against every page scored at every step (score_block 0): the
+    same logits bit for bit, step by step, through an empty store, a filling one and a wrapped ring, with
+    several blocks (3 pages, the last one moved back) and with the default block (one block here)."""
+    from rsqr_jax import recall
+
+    T = 96
+    tokens = np.random.default_rng(_seed(f"skip-{rule}")).integers(0, CFG.vocab_size, size=(1, T))
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    spec = spec_for([pol], T, chunk=chunk, cold=20, score=rule)
+    assert spec.cold_slots // 4 % 3 and spec.cold_slots < T - 2 - 8 - 16  # blocks of 3 do not tile; it wraps
+    apply_fn, params = _model(0)
+    got = {}
+    for block in (0, 3, recall.SCORE_BLOCK_PAGES):
+        monkeypatch.setattr(recall, "SCORE_BLOCK_PAGES", block)
+        got[block] = _logits_token_by_token(lambda *a: apply_fn(*a), params, spec, pol, tokens, chunk)  # new trace
+    for block in (3, recall.SCORE_BLOCK_PAGES):
+        np.testing.assert_array_equal(got[block], got[0], err_msg=f"block {block}")
+    plain = P.rsqr(8, 2, 3, 3)
+    alone = _logits_token_by_token(apply_fn, params, spec_for([plain], T, chunk=chunk), plain, tokens, chunk)
+    np.testing.assert_array_equal(got[0][:8], alone[:8])  # nothing left the window yet: plain rsqr, bit for bit
+    assert np.abs(got[0] - alone).max() > 1e-3  # recall changed the stream later: the check is not vacuous
+
+
+def test_skipping_recall_under_vmap_changes_no_bit(monkeypatch):
+    """Under vmap the skip (a lax.cond on "anything recallable") becomes a select that runs both branches: a
+    sweep of policies that recall and do not (recall_pages 0 skips at every step), and streams of different
+    lengths (one still empty while another fills), give exactly what every page scored at every step gives,
+    under one compilation each."""
+    from rsqr_jax import recall
+    from rsqr_jax.streams import Request, StreamScheduler
+
+    T = 60
+    rng = np.random.default_rng(_seed("skip-vmap"))
+    tokens = rng.integers(0, CFG.vocab_size, size=(1, T))
+    pols = [P.rsqr(8, 2, 3, 3, recall_pages=k) for k in (0, 2)] + [P.streamingllm(8, 2, recall_pages=2)]
+    spec = spec_for(pols, T, cold=24, score="max")
+    prompts = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (31, 6, 25)]
+    one = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    stream_spec = spec_for([one], 0, chunk=4, cold=32, score="max")
+    apply_fn, params = _model(0)
+    sweep, streams = {}, {}
+    for block in (0, recall.SCORE_BLOCK_PAGES):
+        monkeypatch.setattr(recall, "SCORE_BLOCK_PAGES", block)
+        fn = lambda *a: apply_fn(*a)  # noqa: E731  (a new Decoder: traced with this block)
+        before = TRACES["score"]
+        sweep[block], _ = rj.stream_nll(fn, params, tokens, rj.stack_policies(pols), spec, segment=8,
+                                        vmap_policies=True)
+        assert TRACES["score"] - before == 1
+        sched = StreamScheduler(fn, params, stream_spec, one, n_slots=2, prefill_chunk=4, vocab_size=CFG.vocab_size)
+        streams[block] = [f.tokens for f in sched.run([Request(tuple(ids), 6, seed=5) for ids in prompts])]
+    np.testing.assert_array_equal(sweep[recall.SCORE_BLOCK_PAGES], sweep[0])
+    assert streams[recall.SCORE_BLOCK_PAGES] == streams[0]
+    assert np.abs(sweep[0][1] - sweep[0][0]).max() > 1e-3  # recall changed the sweep: not vacuous

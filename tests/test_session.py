@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rsqr_jax import session as S
+from rsqr_jax.sampling import Sampling
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.session import Session, SessionFileError
 from tests.test_cli import run
@@ -28,6 +29,7 @@ def _state(session: Session) -> dict:
     """Everything that determines the continuation, as host arrays."""
     out = {f"cache.{f.name}": np.asarray(getattr(session.cache, f.name)) for f in dataclasses.fields(session.cache)}
     out["rng"] = np.asarray(session.rng)
+    out["recent"] = np.asarray(session.recent)
     out["pending"] = np.asarray(-1 if session.pending is None else session.pending)
     return out
 
@@ -50,13 +52,20 @@ def _roundtrip(session: Session, path) -> Session:
     return resumed
 
 
-@pytest.mark.parametrize("policy,temperature,top_p", [("rsqr", 0.0, 1.0), ("replay", 8.0, 0.9),
-                                                      ("rsqr_precompute", 8.0, 1.0)])
-def test_resumed_session_continues_bit_identically(tmp_path, policy, temperature, top_p):
+@pytest.mark.parametrize("policy,sampling", [
+    # top-p / min-p act before the temperature (llama.cpp's order): on the tiny model's sharp logits any top_p
+    # < 1 keeps the argmax alone, so the sampled cases filter with top_k.
+    ("rsqr", Sampling()), ("replay", Sampling(temperature=8.0, top_k=50)),
+    ("rsqr_precompute", Sampling(temperature=8.0)),
+    ("rsqr", Sampling(temperature=8.0, top_k=20, min_p=0.01, repeat_penalty=1.3, frequency_penalty=0.5)),
+], ids=["greedy", "top_p", "temperature", "penalties"])
+def test_resumed_session_continues_bit_identically(tmp_path, policy, sampling):
     # The tiny random model's logits are sharp (tied embeddings), so sampling needs a high temperature
     # to produce varied tokens; greedy mostly repeats a token, which is why the cache is compared too.
+    # The sampler's ring of recent tokens is part of the compared state.
     a, b = _prompts(2)
-    kw = dict(temperature=temperature, top_p=top_p, seed=int(np.random.default_rng().integers(2**31)))
+    temperature = sampling.temperature
+    kw = dict(sampling=sampling, seed=int(np.random.default_rng().integers(2**31)))
 
     ref = make_session(policy, **kw)
     ref.feed(a)
@@ -82,7 +91,7 @@ def test_resumed_session_continues_bit_identically(tmp_path, policy, temperature
 
 def test_resume_restores_the_rng_key(tmp_path):
     # Guards the test above against a vacuous pass: a resumed session with a fresh key diverges.
-    kw = dict(temperature=8.0, top_p=0.9, seed=7)
+    kw = dict(sampling=Sampling(temperature=8.0, top_k=50), seed=7)
     s = make_session("rsqr", **kw)
     s.feed(_prompts(1)[0])
     s.generate(3)
@@ -104,7 +113,7 @@ def test_resume_restores_the_rng_key(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(path, bytes, session) of a valid session file mid-stream."""
-    s = make_session("replay", temperature=8.0, top_p=0.9, seed=1)
+    s = make_session("replay", sampling=Sampling(temperature=8.0, top_p=0.9), seed=1)
     s.feed(_prompts(1, 30)[0])
     s.generate(3)
     path = tmp_path_factory.mktemp("saved") / "valid.session"

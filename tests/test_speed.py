@@ -3,7 +3,7 @@
 * bfloat16 caches on CPU run through the model as uint16 bits (rsqr_jax.update): bit-identical
   to the plain bfloat16 path;
 * a Session compiles its step with the policy as constants: same tokens as the data-policy step;
-* greedy sampling skips the sort (lax.cond): same token as argmax, and temperature > 0 still samples;
+* greedy sampling skips the candidate search (lax.cond): same token as argmax, and temperature > 0 still samples;
 * rsqr_jax.experiments.latency's positions-only rotation counts match what each policy is defined to do,
   and its run (and bench_decode's, greedy tokens equal to HF's) works end to end on the tiny model.
 """
@@ -25,7 +25,7 @@ from rsqr_jax import update as U
 from rsqr_jax.engine import Decoder, stream_nll
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
-from rsqr_jax.sampling import sample
+from rsqr_jax.sampling import Sampling, sample
 from rsqr_jax.experiments import bench_decode as B
 from rsqr_jax.experiments import latency as L
 from rsqr_jax.spec import ColdStore
@@ -103,10 +103,11 @@ def test_session_constant_policy_step_matches_the_data_policy_step(name):
 def test_greedy_sampling_is_argmax_and_temperature_still_samples():
     logits = jnp.asarray(np.random.default_rng().normal(size=(3, 500)).astype(np.float32))
     key = jax.random.PRNGKey(0)
-    greedy = sample(logits, key, jnp.float32(0.0), jnp.float32(1.0))
+    no_ring = jnp.zeros((3, 0), jnp.int32)
+    greedy = sample(logits, key, Sampling().values(), no_ring)
     np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
-    draws = {tuple(np.asarray(sample(logits, jax.random.PRNGKey(i), jnp.float32(5.0), jnp.float32(1.0))))
-             for i in range(8)}
+    hot = Sampling(temperature=5.0).values()
+    draws = {tuple(np.asarray(sample(logits, jax.random.PRNGKey(i), hot, no_ring))) for i in range(8)}
     assert len(draws) > 1  # temperature 5 over 500 tokens: not the argmax every time
 
 
