@@ -283,7 +283,7 @@ def test_prompts_jsonl_equal_each_prompt_alone_under_one_compilation(tmp_path):
     cache = jax.tree.map(np.asarray, sched.cache)
     n = sched.n_slots
     _, after, _ = sched.decoder.feed_streams(params, np.ones((n, CHUNK), np.int32), sched.cache, None,
-                                             np.zeros(n, np.int32), np.zeros(n, bool), sched.rng_N.copy(), 0.0, 1.0)
+                                             np.zeros(n, np.int32), np.zeros(n, bool), sched.rng_N.copy())
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, after), cache)
 
 
