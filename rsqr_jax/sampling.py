@@ -16,6 +16,7 @@ The filter chain, in llama.cpp's order (its default sampler chain, which Ollama 
   candidates' true probabilities (normalised over the top_k tokens when top_k > 0, as llama.cpp does, or
   over the whole vocabulary when top_k = 0), so the nucleus is exact unless it would need more than
   max_candidates tokens: it is then cut to those. The draw renormalises over at most max_candidates tokens.
+  With top_k 0, max_candidates therefore acts as a top_k (default 256; see DEFAULT_MAX_CANDIDATES).
 
 `Sampling` holds the settings (validated: a one-line SamplingError); `Sampling.values()` is the pytree of
 dynamic values the compiled functions take, so changing them never recompiles. `repeat_last_n` is also the
@@ -34,7 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DEFAULT_MAX_CANDIDATES = 64
+# Measured on SmolLM2-135M-Instruct over 512 tokens of literary text (top_k 0, temperature 1): the top_p 0.9
+# nucleus exceeds 64 tokens at 34% of positions (256: 14%), 0.95 at 48% (256: 30%); capped at 256 the
+# kept mass averages 0.904 / 0.933 instead of >= 0.9 / 0.95. The chat defaults (top_k 40 in llama.cpp and
+# Ollama, 50 in HF generate) are exact at any cap >= 50. Cost of the candidate search on one 49k-logit row
+# on a CPU core: 0.30 ms at 64, 0.66 ms at 256, 0.8 ms at 1024 (a full sort: 13 ms).
+DEFAULT_MAX_CANDIDATES = 256
 
 
 class SamplingError(ValueError):

@@ -9,6 +9,8 @@ time is reported apart (rsqr_jax.experiments.bench_decode). HF's model holds our
     python scripts/bench_decode.py --quick                  # tiny sanity run
     python scripts/bench_decode.py --no-hf --cached 4096    # ours only
 
+Each row also times our decoding under a chat sampler next to greedy, and the sampler alone (--no-sampled: off).
+
 Writes DIR/bench_decode.json and bench_decode.md (--out DIR); --json prints the JSON on stdout.
 """
 
@@ -32,6 +34,9 @@ def build_parser() -> Parser:
                    help="one core for both sides (the process is pinned to one CPU; torch 1 thread): "
                    "robust on a busy machine")
     p.add_argument("--no-hf", action="store_true", help="skip HF (ours only)")
+    p.add_argument("--no-sampled", action="store_true",
+                   help="skip the chat-sampler timings (temperature 0.7, top_k 40, top_p 0.95, min_p 0.05, "
+                   "repeat_penalty 1.1 over 64; end to end and the sampler alone)")
     p.add_argument("--quick", action="store_true", help="tiny run: C = 64 128, 8 new tokens, 1 repeat")
     p.add_argument("--text", default=str(DEFAULT_TEXT))
     p.add_argument("--out", default="runs/bench_decode", help="output directory ('' = write nothing)")
@@ -58,7 +63,7 @@ def main() -> int:
                            prefill_chunk=args.prefill_chunk, threads=args.threads, single_thread=args.single_thread,
                            policy=args.policy, window=args.window, sinks=args.sinks, delta=args.delta,
                            max_survivors=args.max_survivors, block=args.block, overflow=args.overflow,
-                           dtype=args.dtype)
+                           dtype=args.dtype, sampled=not args.no_sampled)
     config = config.quick() if args.quick else config
     config.check()  # before the model loads
     if not args.no_hf and args.dtype != "float32":

@@ -212,6 +212,9 @@ def test_bench_decode_matches_hf_greedy_on_the_tiny_model(tmp_path):
         assert row["greedy_agreement"] == 1.0 and row["first_divergence"] is None, row
         assert row["win_capacity"] == B.round_up(cached + 12 + 1) and row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
     assert "| 40 |" in res.markdown()
+    # the chat sampler is timed next to greedy, and the sampler alone against the former full sort
+    assert all(r["sampled_tok_s"] > 0 for r in res.data["rows"]) and "sampled tok/s" in res.markdown()
+    assert set(res.data["sampler_ms"]) >= {"greedy_no_ring", "chat_chain", "full_sort_former"}
     bounded = B.run(dataclasses.replace(config, policy="rsqr", cached=(32,)), apply_fn, params, CFG, tok)
     (row,) = bounded.data["rows"]
     assert row["cached_after_decode_ours"] == 32 and row["prompt_tokens_ours"] == 88 and "hf_tok_s" not in row

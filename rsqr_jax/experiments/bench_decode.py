@@ -7,6 +7,12 @@ DynamicCache, one model call per token under torch.inference_mode). Our cache is
 needs (full: C + new rounded up to 64); the Session's functions are compiled ahead of time (warmup), so
 compile time is reported apart. The HF model holds our very arrays (`hf_model_from_ours`), and for `full`
 the two greedy continuations are compared token by token as a check.
+
+Sampling costs (`sampled`): each row also times our Session under a chat sampler (CHAT_SAMPLING: Ollama-like
+temperature 0.7, top_k 40, top_p 0.95, min_p 0.05, repeat_penalty 1.1 over the last 64 tokens), with the
+same compiled functions as greedy (the settings are data), interleaved with the greedy runs; and the
+sampler alone is timed on one row of the model's vocabulary: greedy, the chain, and the former sampler
+(a full sort of the vocabulary per token, kept here only as the baseline).
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import platform
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax.cache import cached_positions
 from rsqr_jax.experiments.common import ConfigError, read_tokens, status, write_json_atomic
 from rsqr_jax.policy import Policy, make_policy
+from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, sample
 from rsqr_jax.session import Session
 from rsqr_jax.spec import CacheSpec
 
@@ -45,6 +53,7 @@ class BenchConfig:
     block: int = 1
     overflow: str = "fifo"
     dtype: str = "float32"
+    sampled: bool = True  # also time the chat sampler (end to end and alone)
 
     def quick(self) -> "BenchConfig":
         """The small CI run: C = 64 128, 8 new tokens, 1 repeat."""
@@ -72,6 +81,48 @@ class BenchConfig:
         # enough tokens that every survivor slot is taken: N + S*delta + W (rounded up to whole chunks later)
         prompt = n_sink + surv * max(delta, 1) + window if delta else cached + self.prefill_chunk
         return pol, prompt
+
+
+CHAT_SAMPLING = Sampling(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, repeat_last_n=64)
+
+
+def full_sort_sample(logits_BxV, rng, temperature, top_p):
+    """The former sampler (temperature, then a nucleus found by sorting the whole vocabulary): the baseline."""
+    scaled = logits_BxV.astype(jnp.float32) / temperature
+    sorted_desc = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    keep = jnp.cumsum(probs, axis=-1) - probs < top_p
+    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jax.random.categorical(rng, jnp.where(scaled >= threshold, scaled, -jnp.inf), axis=-1)
+
+
+def sampler_costs(vocab_size: int, repeats: int = 100) -> dict:
+    """ms per call of the sampler alone on [1, vocab_size] float32 logits (jitted, best of 3 x repeats), with
+    a Session's candidate count unless named otherwise."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (1, vocab_size), jnp.float32) * 3
+    key = jax.random.PRNGKey(1)
+    ring64 = jax.random.randint(jax.random.PRNGKey(2), (1, 64), 0, vocab_size)
+    chain = jax.jit(sample, static_argnums=4)
+    C = DEFAULT_MAX_CANDIDATES  # what a Session uses
+    cases = {
+        "greedy_no_ring": lambda: chain(logits, key, Sampling().values(), ring64[:, :0], C),
+        "greedy_ring64_penalties_off": lambda: chain(logits, key, Sampling().values(), ring64, C),
+        "greedy_ring64_repeat_penalty": lambda: chain(logits, key, Sampling(repeat_penalty=1.1).values(), ring64, C),
+        "chat_chain": lambda: chain(logits, key, CHAT_SAMPLING.values(), ring64, C),
+        "chat_chain_64_candidates": lambda: chain(logits, key, CHAT_SAMPLING.values(), ring64, 64),
+        "full_sort_former": lambda: jax.jit(full_sort_sample)(logits, key, jnp.float32(0.7), jnp.float32(0.95)),
+    }
+    out = {}
+    for name, fn in cases.items():
+        jax.block_until_ready(fn())
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                jax.block_until_ready(fn())
+            best = min(best, (time.perf_counter() - t0) / repeats)
+        out[name] = 1e3 * best
+    return out
 
 
 def round_up(n: int, m: int = 64) -> int:
@@ -159,16 +210,24 @@ class BenchResult:
                  f"{self.data['machine']['cpus']} CPUs (HF torch threads {a['threads']}"
                  f"{', pinned to one core' if a['single_thread'] else ''}); load average "
                  f"{self.data['machine']['loadavg_end']:.1f}", ""]
-        head = ["cached", "ours tok/s", "ours ms/tok"] + (["HF tok/s", "HF ms/tok", "ours/HF", "CPU-time ratio",
+        sampled = any("sampled_tok_s" in r for r in rows)
+        head = ["cached", "ours tok/s", "ours ms/tok"] + (["sampled tok/s", "sampled ms/tok"] if sampled else []) + \
+            (["HF tok/s", "HF ms/tok", "ours/HF", "CPU-time ratio",
                                                            "greedy agree"] if hf else [])
         lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for r in rows:
             cells = [str(r["cached"]), f"{r['ours_tok_s']:.1f}", f"{r['ours_ms_per_token']:.1f}"]
+            if sampled:
+                cells += [f"{r['sampled_tok_s']:.1f}", f"{r['sampled_ms_per_token']:.1f}"]
             if hf:
                 agree = r.get("greedy_agreement")
                 cells += [f"{r['hf_tok_s']:.1f}", f"{r['hf_ms_per_token']:.1f}", f"{r['ratio']:.2f}x",
                           f"{r['cpu_ratio']:.2f}x", "-" if agree is None else f"{agree:.0%}"]
             lines.append("| " + " | ".join(cells) + " |")
+        if sampled:
+            lines += ["", f"sampled: {self.data['sampling']}", "",
+                      "Sampler alone, one row of the vocabulary (ms per call):", ""]
+            lines += [f"* {k}: {v:.3f}" for k, v in self.data["sampler_ms"].items()]
         return "\n".join(lines) + "\n"
 
     def write_json(self, path) -> None:
@@ -199,15 +258,22 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
                                       num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
                                       dtype=config.dtype, max_chunk=chunk, max_len=max_len)
         # Equal Sessions share one compilation (their Decoders compare equal): a fresh one per measurement.
-        new_session = lambda: Session(apply_fn, params, spec, policy, prefill_chunk=chunk)  # noqa: E731
+        new_session = lambda sampling=Sampling(): Session(apply_fn, params, spec, policy,  # noqa: E731
+                                                          prefill_chunk=chunk, sampling=sampling, seed=0)
         s = new_session()
         s.warmup()
         compile_s = s.compile_s
         s.feed(text_ids[:chunk])
         s.generate(2)  # first execution of the compiled functions, untimed
         prompt, hf_prompt = text_ids[:prompt_len], text_ids[:cached]
-        o_meas, h_meas = [], []
+        o_meas, h_meas, s_meas = [], [], []
         for _ in range(config.repeats):  # interleaved, so both sides see the same machine load
+            if config.sampled:  # same compiled functions as greedy: the settings are data
+                s = new_session(CHAT_SAMPLING)
+                s.feed(prompt)
+                t0 = time.perf_counter()
+                s_toks = s.generate(config.new)
+                s_meas.append((time.perf_counter() - t0) * config.new / max(len(s_toks), 1))
             s = new_session()
             t0 = time.perf_counter()
             s.feed(prompt)
@@ -225,6 +291,9 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
                "ours_ms_per_token": 1e3 * o_best / config.new,
                "ours_tok_s_all": [config.new / d for _, d, _ in o_meas], "ours_prefill_s": min(p for p, _, _ in o_meas),
                "ours_cpu_ms_per_token": 1e3 * o_cpu / config.new, "cache_bytes": spec.bytes_by_part(policy)}
+        if s_meas:
+            row.update(sampled_tok_s=config.new / min(s_meas), sampled_ms_per_token=1e3 * min(s_meas) / config.new,
+                       sampled_tok_s_all=[config.new / d for d in s_meas])
         if config.policy != "full":
             row["cached_after_decode_ours"] = len(cached_positions(s.cache, s.policy))
         if hf_model is not None:
@@ -247,4 +316,7 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
         import transformers
 
         machine.update(torch=torch.__version__, transformers=transformers.__version__)
-    return BenchResult({"args": {**dataclasses.asdict(config), **(meta or {})}, "rows": rows, "machine": machine})
+    data = {"args": {**dataclasses.asdict(config), **(meta or {})}, "rows": rows, "machine": machine}
+    if config.sampled:
+        data.update(sampling=CHAT_SAMPLING.to_json(), sampler_ms=sampler_costs(model_config.vocab_size))
+    return BenchResult(data)
