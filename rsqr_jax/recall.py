@@ -15,8 +15,15 @@ from pallas_kernels.rope import rope_cos_sin, rotate_half_split
 from rsqr_jax.policy import order_index
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=["max_pages", "neighbors", "shortlist"],
-                   data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel"])
+# Pages scored per block while the store fills (recalled_tokens): a layer scores only the blocks that hold a
+# recallable token, under a loop whose trip count is their number; 0 = score every page at every step.
+SCORE_BLOCK_PAGES = 64
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   meta_fields=["max_pages", "neighbors", "shortlist", "score_block"],
+                   data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel",
+                                "live_pages"])
 @dataclasses.dataclass(frozen=True)
 class Recall:
     """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
@@ -25,7 +32,10 @@ class Recall:
     which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
     max_pages (static): pages chosen per layer (0 = no recall in this compilation); neighbors (static): pages
     on each side of a chosen page gathered with it; shortlist (static): with the "shortlist" rule, how many
-    pages of best mean key are rescored by their best token."""
+    pages of best mean key are rescored by their best token; live_pages: the leading pages that may hold a
+    recallable token (the ring fills from slot 0 until it wraps; 0 = nothing to recall this step, or
+    k_pages = 0: the layers skip recall); score_block (static): pages scored per block of that prefix (0 =
+    every page, every step)."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -36,6 +46,8 @@ class Recall:
     max_pages: int = 0
     neighbors: int = 0
     shortlist: int = 0
+    live_pages: jax.Array | None = None
+    score_block: int = 0
 
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
@@ -46,15 +58,27 @@ def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, in
     key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k), or
     with k_glob every key itself: the page's best recallable token, max q . k (the "max" rule; the mean
     misses facts mid-stream, docs/recall_tier.md)."""
+    return _scores(_query_BxCxKxGxD(q_BxCxHqxD, cold_sum_BxHkvxPgxD.shape[1], recall, inv_freq), cold_sum_BxHkvxPgxD,
+                   cold_pos_Nc, recall.token_valid_Nc, recall.q_real_C, lo_BxHkvxPgxD, hi_BxHkvxPgxD, k_glob_BxHkvxNcxD)
+
+
+def _query_BxCxKxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Array:
+    """The queries rotated at their global positions, grouped by KV head (float32)."""
     B, C, Hq, D = q_BxCxHqxD.shape
-    Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
-    Pg = cold_pos_Nc.shape[0] // n_pages
     cos, sin = rope_cos_sin(recall.q_global_C, inv_freq)  # [C, D/2]
     q_rot = rotate_half_split(q_BxCxHqxD.astype(jnp.float32), cos[:, None], sin[:, None])
-    q_BxCxKxGxD = q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
+    return q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
+
+
+def _scores(q_BxCxKxGxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, valid_Nc, q_real_C, lo_BxHkvxPgxD, hi_BxHkvxPgxD,
+            k_glob_BxHkvxNcxD) -> jax.Array:
+    """page_scores of a run of consecutive pages (their summaries, slots' positions and validity): each page's
+    score depends on that page alone, so a block of pages scores exactly as it does inside the whole store."""
+    n_pages = cold_sum_BxHkvxPgxD.shape[2]
+    Pg = cold_pos_Nc.shape[0] // n_pages
     count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
     if k_glob_BxHkvxNcxD is not None:
-        return _best_token(q_BxCxKxGxD, k_glob_BxHkvxNcxD, recall.token_valid_Nc[None], recall.q_real_C, Pg)
+        return _best_token(q_BxCxKxGxD, k_glob_BxHkvxNcxD, valid_Nc[None], q_real_C, Pg)
     if lo_BxHkvxPgxD is None:
         mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
         s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxKxGxD, mean, precision=jax.lax.Precision.HIGHEST)
@@ -63,10 +87,42 @@ def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, in
         lo, hi = jnp.where(filled, lo_BxHkvxPgxD, 0.0), jnp.where(filled, hi_BxHkvxPgxD, 0.0)
         qx = q_BxCxKxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Pg, D]
         s = jnp.sum(jnp.maximum(qx * lo[:, None, :, None], qx * hi[:, None, :, None]), axis=-1)
-    s = jnp.where(recall.q_real_C[None, :, None, None, None], s, -jnp.inf)
+    s = jnp.where(q_real_C[None, :, None, None, None], s, -jnp.inf)
     s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
-    valid_Pg = jnp.any(recall.token_valid_Nc.reshape(n_pages, Pg), axis=1)
+    valid_Pg = jnp.any(valid_Nc.reshape(n_pages, Pg), axis=1)
     return jnp.where(valid_Pg[None], s, -jnp.inf)
+
+
+def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
+                     hi_BxHkvxPgxD=None, gather_glob=None) -> jax.Array:
+    """page_scores computed only over the first recall.live_pages pages: blocks of
+    recall.score_block pages under a loop whose trip count is the number of blocks that hold anything
+    (the last block is moved back to end at the last page; pages it scores twice get the same score), every
+    other page -inf: the same scores bit for bit (each page's score depends on that page alone; checked on
+    XLA:CPU, tests/test_recall.py). gather_glob(slots_BxR) -> [B, Hkv, R, D]: the "max" rule's scoring copy at those
+    slots (None for the other rules). A store that fills pays for its fill, not its capacity."""
+    B = q_BxCxHqxD.shape[0]
+    Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
+    Pg = cold_pos_Nc.shape[0] // n_pages
+    # At least two pages: XLA lowers a dot with a single page differently (the mean rule's scores moved by an ulp).
+    M = min(max(recall.score_block, 2), n_pages)
+    q_BxCxKxGxD = _query_BxCxKxGxD(q_BxCxHqxD, Hkv, recall, inv_freq)
+    quest = lo_BxHkvxPgxD is not None
+
+    def block(j, scores_BxPg):
+        p0 = jnp.minimum(j * M, n_pages - M)
+        pages = lambda x: jax.lax.dynamic_slice_in_dim(x, p0, M, axis=2)  # noqa: E731
+        slots = lambda x: jax.lax.dynamic_slice_in_dim(x, p0 * Pg, M * Pg)  # noqa: E731
+        k = None
+        if gather_glob is not None:
+            k = gather_glob(jnp.broadcast_to(p0 * Pg + jnp.arange(M * Pg, dtype=jnp.int32), (B, M * Pg)))
+        s = _scores(q_BxCxKxGxD, pages(cold_sum_BxHkvxPgxD), slots(cold_pos_Nc), slots(recall.token_valid_Nc),
+                    recall.q_real_C, pages(lo_BxHkvxPgxD) if quest else None,
+                    pages(hi_BxHkvxPgxD) if quest else None, k)
+        return jax.lax.dynamic_update_slice_in_dim(scores_BxPg, s, p0, axis=1)
+
+    n_blocks = (recall.live_pages + M - 1) // M
+    return jax.lax.fori_loop(0, n_blocks, block, jnp.full((B, n_pages), -jnp.inf, jnp.float32))
 
 
 def _best_token(q_BxCxKxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.Array:
@@ -144,21 +200,28 @@ def with_neighbors(idx_BxK, active_BxK, cold_pos_Nc, n_pages: int, n: int) -> tu
     return pages, act & ~dup
 
 
-def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, cold_k_glob, cold_pos_Nc, recall: Recall,
+def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc, recall: Recall,
                     surv_valid_S, inv_freq):
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
-    and cold_k_glob [B, Hkv, Nc or 0, D] its scoring copy of the keys (the rule: "max" with a copy, else
-    "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean"). R = max_pages * (1 + 2 *
-    neighbors) * page size; a recalled token that is also an attended survivor, or on a page gathered twice,
-    counts once."""
+    and gather_glob(slots_BxR) -> [B, Hkv, R, D] reads its scoring copy of the keys (None without one; the rule:
+    "max" with a copy, else "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean").
+    With recall.score_block only the filled pages are scored (live_page_scores; the same scores). R = max_pages *
+    (1 + 2 * neighbors) * page size; a recalled token that is also an attended survivor, or on a page gathered
+    twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages
     quest = (cold_lo, cold_hi) if cold_lo.shape[2] else (None, None)
-    k_glob = cold_k_glob if cold_k_glob.shape[2] else None
-    scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
+    if recall.score_block:
+        scores = live_page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, gather_glob)
+    else:
+        k_glob = None
+        if gather_glob is not None:
+            k_glob = gather_glob(jnp.broadcast_to(jnp.arange(cold_pos_Nc.shape[0], dtype=jnp.int32),
+                                                  (B, cold_pos_Nc.shape[0])))
+        scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
     if recall.shortlist:
         scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0])
     idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, K)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels.rope import rope_cos_sin, rotate_half_split
 from rsqr_jax import attention
 from rsqr_jax import policy as P
+from rsqr_jax import recall as _recall
 from rsqr_jax.cache import KV_FIELDS, KVCache, init_cache
 from rsqr_jax.policy import Policy, is_flagged, mode_traits, order_index, window_start
 from rsqr_jax.recall import Recall, extend_raw_segment, recalled_tokens
@@ -199,10 +200,19 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     else:
         cold_slot = cold_page = jnp.zeros((C,), jnp.int32)
         first_C, cold_pos = jnp.zeros((C,), bool), cache.cold_pos
-    recall = Recall(k_pages=policy.recall_pages, token_valid_Nc=(cold_pos >= 0) & (cold_pos < w0),
+    # The recallable slots, and the leading pages that hold them (once per step, for every layer): before the ring
+    # wraps they are a prefix that grows with the stream, after it every page; 0 (or recall_pages = 0) = the
+    # layers skip recall this step.
+    token_valid = (cold_pos >= 0) & (cold_pos < w0)
+    live_pages = jnp.int32(0)
+    if Nc:
+        live_slots = jnp.max(jnp.where(token_valid, jnp.arange(1, Nc + 1, dtype=jnp.int32), 0))
+        live_pages = jnp.where(policy.recall_pages > 0, (live_slots + Pg - 1) // Pg, 0).astype(jnp.int32)
+    recall = Recall(k_pages=policy.recall_pages, token_valid_Nc=token_valid,
                     surv_gpos_S=surv_pos, q_global_C=g_C, q_real_C=real_C, in_kernel=mode.surv_in_kernel,
                     max_pages=max_recall_pages if Nc else 0, neighbors=recall_neighbors,
-                    shortlist=recall_shortlist if Nc else 0)
+                    shortlist=recall_shortlist if Nc else 0, live_pages=live_pages,
+                    score_block=_recall.SCORE_BLOCK_PAGES)
 
     return StepPlan(
         writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, first_C),
@@ -351,8 +361,9 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
     the stored key stays raw. A restarted page's summary starts afresh.
 
-    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], and its
-    scoring copy of the keys [B, Hkv, Nc, D] (the "max" rule; empty otherwise), which recall scores. The
+    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], and a reader
+    of its scoring copy of the keys, slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise), which recall
+    scores. The
     layer's summary is read once, updated at the chunk's pages and written back whole: had recall
     read the [L, ...] buffer after a scatter into it, XLA's fusion inside the generation loop would keep
     the pre-scatter buffer alive and copy all layers' summaries twice per layer (5.7 GB per token for
@@ -374,18 +385,18 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
 
     cold_sum, layer_sum = summarize(cache.cold_sum, 0.0, "add")
     out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
-    lo, hi, k_glob = cache.cold_lo[layer], cache.cold_hi[layer], cache.cold_k_glob[layer]
+    lo, hi, glob = cache.cold_lo[layer], cache.cold_hi[layer], None
     if cache.cold_lo.shape[3]:
         (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
                                                       summarize(cache.cold_hi, -jnp.inf, "max"))
     if cache.cold_k_glob.shape[3]:
         # The "max" rule's scoring copy: written in place like cold_k, and read back like the recalled K/V, as
-        # one gather of this layer's slots from the [L, ...] buffer. A slice read (before or after the write)
-        # made XLA copy the whole buffer twice per layer (see the docstring).
-        out["cold_k_glob"] = _set(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
-        B, Nc = cache.cold_k_glob.shape[1], cache.cold_k_glob.shape[3]
-        k_glob = _layer_slots(out["cold_k_glob"], layer, jnp.broadcast_to(jnp.arange(Nc), (B, Nc)))
-    return cache.replace(**out), (layer_sum, lo, hi, k_glob)
+        # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
+        # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the
+        # docstring).
+        k_glob = out["cold_k_glob"] = _set(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
+        glob = lambda slots_BxR: _layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
+    return cache.replace(**out), (layer_sum, lo, hi, glob)
 
 
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
@@ -401,14 +412,28 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     B = q_BxCxHqxD.shape[0]
     bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
     surv_rot_pos, surv_valid, q_pos_surv = bc(ka.surv_rot_pos_S), bc(ka.surv_valid_S), bc(ka.q_pos_surv_C)
-    if plan.recall.max_pages:  # the recall tier (rsqr_jax.recall)
+
+    def attend(surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv):
+        return attention.attend(q_BxCxHqxD, win_k, win_v, bc(ka.win_pos_W), surv_k, surv_v, surv_rot_pos,
+                                surv_valid, bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
+
+    plain = (surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv)
+    rc = plan.recall
+    if not rc.max_pages:
+        return attend(*plain), cache
+
+    def with_recall():  # the recall tier (rsqr_jax.recall)
         rec = recalled_tokens(q_BxCxHqxD, lambda slots: _gather_slots(cache, layer, slots), *summaries,
-                              plan.next.cold_pos, plan.recall, ka.surv_valid_S, inv_freq)
-        surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv = extend_raw_segment(
-            surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv, plan.recall, *rec)
-    out = attention.attend(q_BxCxHqxD, win_k, win_v, bc(ka.win_pos_W), surv_k, surv_v, surv_rot_pos, surv_valid,
-                           bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
-    return out, cache
+                              plan.next.cold_pos, rc, ka.surv_valid_S, inv_freq)
+        return attend(*extend_raw_segment(*plain, rc, *rec))
+
+    if not rc.score_block:  # every page scored at every step, the store empty or not
+        return with_recall(), cache
+    # Nothing recallable (the store is still empty, or recall_pages = 0): the layer neither scores, gathers nor
+    # attends recalled slots. The recalled slots would all be invalid, and masked slots change no bit of the
+    # attention (tests/test_recall.py). Only the attention output leaves the cond, so under vmap (where it is a
+    # select that runs both branches) the price is one plain attention per layer, not a select of the cache.
+    return jax.lax.cond(rc.live_pages > 0, with_recall, lambda: attend(*plain)), cache
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 """Decode latency of rsqr + recall against cold-store size, side by side with plain rsqr (ratios).
 
     python scripts/bench_recall.py --out runs/bench_recall            # cold stores 0, 4k, 16k, 64k tokens
+    python scripts/bench_recall.py --cold-sizes 0,4096 --prompt-tokens 32,2048,4608   # empty, half full, wrapped
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def main() -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--page-scores", default=None, help="page rules to compare at every cold size, e.g. mean,max "
                    "(default: the default rule)")
+    p.add_argument("--prompt-tokens", default="512", help="prompt lengths, one arm each, e.g. 32,2048 (a prompt "
+                   "that stays inside the window with every generated token leaves the store empty)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="cold stores 0 and 256, 8 tokens, 1 round")
@@ -34,10 +37,15 @@ def main() -> int:
         sizes = tuple(int(x) for x in args.cold_sizes.split(","))
     except ValueError:
         p.error(f"--cold-sizes must be comma-separated integers, got {args.cold_sizes!r}")
+    try:
+        prompts = tuple(int(x) for x in args.prompt_tokens.split(","))
+    except ValueError:
+        p.error(f"--prompt-tokens must be comma-separated integers, got {args.prompt_tokens!r}")
     if args.quick:
         sizes, args.new_tokens, args.rounds = (0, 256), 8, 1
-    cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size,
-                              **({"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}), new_tokens=args.new_tokens, rounds=args.rounds)
+    rules = {"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}
+    cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size, **rules,
+                              prompt_tokens=prompts, new_tokens=args.new_tokens, rounds=args.rounds)
     loaded, apply_fn, params = load_model_from_args(args)
     result = B.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:
