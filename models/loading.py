@@ -34,6 +34,7 @@ __all__ = [
     "default_model_path",
     "iter_weights",
     "load_config",
+    "load_generation_defaults",
     "load_tokenizer",
     "load_weights",
 ]
@@ -118,3 +119,46 @@ def load_tokenizer(path: str | os.PathLike | None = None):
         raise
     except Exception as e:
         raise ModelLoadError(f"cannot load tokenizer from {p}: {one_line(e)}") from None
+
+
+# Where a model's files carry its own sampling defaults: HF generation_config.json keys and llama.cpp's GGUF
+# `general.sampling.*` keys, by rsqr_jax.sampling.Sampling field.
+_HF_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                "repetition_penalty": "repeat_penalty"}
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                  "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repeat_penalty", "general.sampling.penalty_last_n": "repeat_last_n"}
+
+
+def load_generation_defaults(path: str | os.PathLike | None = None) -> dict:
+    """The sampling defaults the model's own files carry, by Sampling field ({} when none): an HF directory's
+    generation_config.json (do_sample false means greedy) or a GGUF file's general.sampling.* keys. Unreadable
+    or out-of-range values are ignored (the caller's defaults apply)."""
+    p, source = _resolve(path)
+    out: dict = {}
+    try:
+        if source is hf:
+            import json
+
+            f = p / "generation_config.json"
+            if not f.is_file():
+                return {}
+            cfg = json.loads(f.read_text())
+            out = {field: cfg[key] for key, field in _HF_SAMPLING.items() if isinstance(cfg.get(key), (int, float))}
+            if cfg.get("do_sample") is False:
+                out["temperature"] = 0.0
+        else:
+            from gguf import GGUFReader
+
+            fields = GGUFReader(str(p)).fields
+            for key, field in _GGUF_SAMPLING.items():
+                if key in fields:
+                    value = fields[key].contents()
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        out[field] = value
+    except Exception:  # noqa: BLE001 - defaults are a convenience: a file without readable ones has none
+        return {}
+    for field in ("top_k", "repeat_last_n"):
+        if field in out:
+            out[field] = int(out[field])
+    return out

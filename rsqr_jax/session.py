@@ -100,6 +100,14 @@ class Session:
         """Tokens fed so far."""
         return int(self.cache.t) - int(self.cache.start)
 
+    def reset(self) -> None:
+        """Forget the stream (an empty cache, an empty ring of recent tokens, `extra` cleared); the compiled
+        functions and the rng key's position are kept, so a reset session samples on where it left off."""
+        self.cache = init_cache(self.spec)
+        self.recent = jnp.full_like(self.recent, -1)
+        self.pending = None
+        self.extra = {}
+
     def warmup(self) -> None:
         """Compile the prefill and generation functions now (so timings exclude compilation; `compile_s`).
 

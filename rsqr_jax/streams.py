@@ -158,6 +158,29 @@ class StreamScheduler:
         self.n_submitted += 1
         return index
 
+    def follow_up(self, slot: int, request: Request) -> int:
+        """Continue the stream in `slot` with another request: the next turn of a conversation. Unlike a
+        submitted request, it keeps the slot's cache, rng key and ring of recent tokens (request.seed is not
+        used; request.sampling, if given, replaces the slot's values). The slot must be free: its previous
+        request finished. Returns the request's index (as `submit`)."""
+        self.check(request)
+        if not 0 <= slot < self.n_slots or self.slots[slot] is not None or self._fresh[slot]:
+            raise ValueError(f"slot {slot} is not a finished stream that can be continued")
+        if int(np.asarray(self.policy.mode)) == P_FULL:
+            used = int(np.asarray(self.cache.t)[slot] - np.asarray(self.cache.start)[slot])
+            if used + len(request.ids) + request.max_new_tokens > self.spec.win_capacity:
+                raise ValueError(f"stream {slot} holds {used} tokens: {len(request.ids)} more + "
+                                 f"{request.max_new_tokens} new ones exceed the full attention cache of "
+                                 f"{self.spec.win_capacity} tokens")
+        index = self.n_submitted
+        self.n_submitted += 1
+        self.slots[slot] = _Slot(index, request, np.asarray(request.ids, np.int32))
+        if request.sampling is not None:
+            for k, col in zip(type(self.values_N)._fields, stack_values([request.sampling])):
+                getattr(self.values_N, k)[slot] = col[0]
+        self._promote()
+        return index
+
     @property
     def idle(self) -> bool:
         return not self.queue and all(s is None for s in self.slots)

@@ -21,8 +21,22 @@ class UsageError(Exception):
     """Bad user input: reported as one line, exit code 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each flag's default (unless it is None or False, or the help already says it) and keeps
+    the description's examples as written."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, []) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error instead of usage + error."""
+    """argparse with a one-line error instead of usage + error, and defaults in --help."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
 
     def error(self, message):
         raise UsageError(message)

@@ -1,24 +1,25 @@
 #!/usr/bin/env python3
-"""Stream a generation (or a multi-turn chat) through a bounded KV cache.
+"""Chat with a model through a bounded KV cache (RSQR by default), or stream one generation.
 
-    python scripts/decode.py --policy rsqr                  # built-in demo: a chat longer than the cache
-    python scripts/decode.py --policy full --chat --prompt "What is the capital of France?" --json
-    python scripts/decode.py --chat                         # multi-turn chat, one user turn per stdin line
-    python scripts/decode.py --chat --prompt "Hi, I am Ada." --save ada.session
-    python scripts/decode.py --resume ada.session --prompt "What is my name?"   # continue that session
-    python scripts/decode.py --prompts-jsonl prompts.jsonl --json   # every prompt at once, one stream each
+examples:
+  python scripts/decode.py                                   # the memory demo: facts, many turns, then the question
+  python scripts/decode.py --prompt "What is the capital of France?"
+  python scripts/decode.py --chat                            # interactive chat (/reset, /exit)
+  python scripts/decode.py --chat --system "You are terse." --temperature 0.3 --seed 7
+  python scripts/decode.py --raw --prompt "Once upon a time" --max-new-tokens 64   # plain completion
+  python scripts/decode.py --chat --save ada.session          # saved after every turn ...
+  python scripts/decode.py --resume ada.session --prompt "What is my name?"        # ... and continued
+  python scripts/decode.py --prompts-jsonl prompts.jsonl --json   # every prompt at once, one stream each
 
---save PATH writes the whole session (cache, counters, policy, sampler state, chat transcript) after
-every turn, atomically. --resume PATH continues a saved session: the prompt (or the stdin lines) is fed
-after the saved state; policy, cache, sampler and model settings come from the file, and an explicitly
-given flag that conflicts with them is an error.
+A prompt goes through the model's chat template when it has one (--raw: plain completion). Sampling follows
+llama.cpp's chain (repeat penalty, top-k, top-p, min-p, temperature); its defaults are the model's own
+generation config where its files carry one, else chat defaults for small models; --temperature 0 is
+greedy. The seed is random unless --seed is given; it is printed, so any run can be repeated.
 
---prompts-jsonl FILE generates every request of FILE ({"prompt": ..., "max_new_tokens": ..., "chat": ...}
-per line) concurrently on --streams slots (rsqr_jax.streams) and prints one line per prompt as it
-finishes (one JSON object with --json); greedy outputs equal those of --prompt for each prompt alone.
-
-Tokens stream to stdout (to stderr with --json, whose stdout is one JSON object); status to stderr.
-The loop lives in rsqr_jax/experiments/chat.py.
+--save PATH writes the whole session (cache, counters, policy, sampler state, transcript) after every turn,
+atomically; --resume PATH continues it (its settings come from the file; a conflicting flag is an error).
+Tokens stream to stdout as they are generated (to stderr with --json, whose stdout is one JSON object);
+status lines go to stderr.
 """
 
 from __future__ import annotations
@@ -31,51 +32,124 @@ import time
 from _common import (Parser, UsageError, add_model_args, add_policy_args, check_cache_fits, check_model_args,
                      cold_store_args, policy_from_args, resolve_recall_default, run_main, status)
 
+DEMO_MAX_NEW_TOKENS = 128
+
 
 def build_parser() -> Parser:
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompt", default=None, help="prompt text")
-    p.add_argument("--prompt-file", default=None, help="read the prompt from a file")
-    p.add_argument("--chat", action="store_true", help="use the chat template (multi-turn from stdin without a prompt)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-chunk", type=int, default=64)
-    p.add_argument("--json", action="store_true", help="print one JSON object with the result and figures")
-    p.add_argument("--out", default=None, metavar="DIR", help="write the JSON result to DIR/decode.json")
-    p.add_argument("--no-progress", action="store_true", help="accepted for the common convention (no bars here)")
-    p.add_argument("--save", default=None, metavar="PATH", help="save the session to PATH after every turn")
-    p.add_argument("--resume", default=None, metavar="PATH", help="continue the session saved in PATH")
-    p.add_argument("--prompts-jsonl", default=None, metavar="FILE",
+    from rsqr_jax.experiments.chat import CHAT_SAMPLING
+
+    p = Parser(description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]))
+    g = p.add_argument_group("conversation")
+    g.add_argument("--prompt", default=None, help="one user turn (through the chat template unless --raw)")
+    g.add_argument("--prompt-file", default=None, help="read the prompt from a file")
+    g.add_argument("--chat", action="store_true", help="interactive chat: one user turn per line of stdin")
+    g.add_argument("--system", default=None, help="system prompt of a new chat (default: the template's own)")
+    g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a reply where TEXT appears (repeatable; the text is cut before it)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"tokens per reply at most (default 256; the demo {DEMO_MAX_NEW_TOKENS})")
+    s = p.add_argument_group("sampling (default: the model's generation config, else the value shown)")
+    s.add_argument("--temperature", type=float, default=None,
+                   help=f"0 = greedy (default {CHAT_SAMPLING['temperature']})")
+    s.add_argument("--top-k", type=int, default=None, help=f"keep the k most likely tokens, 0 = off "
+                   f"(default {CHAT_SAMPLING['top_k']})")
+    s.add_argument("--top-p", type=float, default=None, help=f"nucleus: the smallest set with this probability "
+                   f"(default {CHAT_SAMPLING['top_p']})")
+    s.add_argument("--min-p", type=float, default=None, help=f"drop tokens below min-p x the top token's "
+                   f"probability (default {CHAT_SAMPLING['min_p']})")
+    s.add_argument("--repeat-penalty", type=float, default=None, help=f"divide the logits of recent tokens, "
+                   f"1 = off (default {CHAT_SAMPLING['repeat_penalty']})")
+    s.add_argument("--repeat-last-n", type=int, default=None, help=f"recent tokens the penalties look at "
+                   f"(default {CHAT_SAMPLING['repeat_last_n']})")
+    s.add_argument("--presence-penalty", type=float, default=None,
+                   help=f"subtracted once from every recent token (default {CHAT_SAMPLING['presence_penalty']})")
+    s.add_argument("--frequency-penalty", type=float, default=None,
+                   help=f"subtracted per occurrence (default {CHAT_SAMPLING['frequency_penalty']})")
+    s.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
+    o = p.add_argument_group("output and sessions")
+    o.add_argument("--json", action="store_true", help="print one JSON object with the result and figures")
+    o.add_argument("--out", default=None, metavar="DIR", help="write the JSON result to DIR/decode.json")
+    o.add_argument("--no-progress", action="store_true", help="accepted for the common convention (no bars here)")
+    o.add_argument("--save", default=None, metavar="PATH", help="save the session to PATH after every turn")
+    o.add_argument("--resume", default=None, metavar="PATH", help="continue the session saved in PATH")
+    o.add_argument("--prompts-jsonl", default=None, metavar="FILE",
                    help="generate every prompt of FILE (one JSON object per line) concurrently")
-    p.add_argument("--streams", type=int, default=16, help="--prompts-jsonl: concurrent streams (cache slots)")
-    p.add_argument("--max-len", type=int, default=0,
-                   help="--prompts-jsonl with --policy full: positions each stream's cache holds (default: what "
+    o.add_argument("--streams", type=int, default=16, help="--prompts-jsonl: concurrent streams (cache slots)")
+    o.add_argument("--max-len", type=int, default=0,
+                   help="--prompts-jsonl with --policy full: positions each stream's cache holds (0: what "
                         "the longest request needs, at most the model's context)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
     add_policy_args(p, default_policy="rsqr", recall_by_default=True)
     add_model_args(p)  # its --dtype is the KV cache dtype here (kept for compatibility)
     p.add_argument("--cache-dtype", default=None,
                    help="KV cache dtype, float32 (default) or bfloat16; --dtype is the same setting")
     p.add_argument("--weights-dtype", default="auto",
-                   help="float32, bfloat16 or auto (default): float32 on CPU, where bfloat16 weights decode "
+                   help="float32, bfloat16 or auto: float32 on CPU, where bfloat16 weights decode "
                         "4-5x slower; the cache dtype on GPU/TPU")
     return p
+
+
+def sampling_flags(args) -> dict:
+    from rsqr_jax.experiments.chat import SAMPLING_FIELDS
+
+    return {k: getattr(args, k) for k in SAMPLING_FIELDS}
+
+
+def describe_cache(spec, policy) -> str:
+    """The cache as the user asked for it (not the internal slot counts), and its memory."""
+    from rsqr_jax.spec import host_policies
+
+    h = host_policies(policy)[0]
+    parts = spec.bytes_by_part(policy)
+    if policy.name.startswith("full"):
+        shape = f"full attention, {spec.win_capacity} positions"
+    else:
+        shape = f"window {h['window']}" + (f" (+{h['block'] - 1} block)" if h["block"] > 1 else "")
+        if h["n_sink"]:
+            shape += f", {h['n_sink']} sinks"
+        if h["delta"]:
+            shape += f", {h['max_survivors']} survivors (every {h['delta']}th evicted token)"
+        if h["recall_pages"]:
+            shape += (f", recall {h['recall_pages']} pages of {spec.page_size} from a "
+                      f"{spec.cold_capacity}-token cold store")
+    mib = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items() if k != "total" and v >= 2**19)
+    return f"cache: {shape}; {parts['total'] / 2**20:.1f} MiB ({mib})"
+
+
+def describe_sampling(values: dict, seed: int) -> str:
+    if values["temperature"] == 0:
+        text = "greedy"
+    else:
+        text = (f"temperature {values['temperature']:g}, top-k {values['top_k']}, top-p {values['top_p']:g}, "
+                f"min-p {values['min_p']:g}")
+    pen = [f"repeat penalty {values['repeat_penalty']:g}" if values["repeat_penalty"] != 1 else "",
+           f"presence {values['presence_penalty']:g}" if values["presence_penalty"] else "",
+           f"frequency {values['frequency_penalty']:g}" if values["frequency_penalty"] else ""]
+    pen = [x for x in pen if x]
+    if pen and values["repeat_last_n"]:
+        text += f", {' and '.join(pen)} over the last {values['repeat_last_n']} tokens"
+    return f"sampling: {text}; seed {seed} (repeat with --seed {seed})"
 
 
 def main() -> int:
     from rsqr_jax.experiments import chat
 
     parser = build_parser()
-    args = parser.parse_args()
-    given = chat.given_flags(parser, sys.argv[1:])
+    argv = sys.argv[1:]
+    args = parser.parse_args(argv)
+    given = chat.given_flags(parser, argv)
     check_model_args(args)
     args.cache_dtype = args.dtype = chat.cache_dtype(args.dtype, args.cache_dtype, args.weights_dtype,
                                                      dtype_given="dtype" in given)
     if args.model is not None:
         args.model = os.path.abspath(args.model)  # the model identity a saved session records
-    chat.check_generation(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed, prefill_chunk=args.prefill_chunk)
+    if args.raw and (args.chat or args.system is not None):
+        raise UsageError("--raw is plain completion: it cannot be combined with --chat or --system")
+    chat.check_generation(max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
+                          seed=args.seed, prefill_chunk=args.prefill_chunk, **sampling_flags(args))
+    if any(not s for s in args.stop):
+        raise UsageError("--stop needs a non-empty text")
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out}: not a directory")
     if args.prompts_jsonl is not None:
@@ -94,11 +168,16 @@ def main() -> int:
     resolve_recall_default(args)
     prompt = chat.read_prompt(args.prompt, args.prompt_file)
     policy = policy_from_args(args)
+    turns = chat.plan_turns(prompt, args.chat, resumed=header is not None)
+    demo = chat.DEMO if turns is chat.DEMO.turns else None
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DEMO_MAX_NEW_TOKENS if demo else 256
 
     import jax
 
     from models.llama import LoadedModel, load_model, split_apply
-    from models.loading import default_model_path, load_config
+    from models.loading import default_model_path, load_config, load_generation_defaults
+    from rsqr_jax.sampling import Sampling
     from rsqr_jax.session import Session, SessionFileError, check_identity
     from rsqr_jax.spec import CacheSpec
 
@@ -117,6 +196,7 @@ def main() -> int:
     elif args.policy != "full":  # `full` is sized by the prompt: checked once it is tokenized
         check_cache_fits(CacheSpec.for_policies(policy, **sizes).bytes_by_part(policy)["total"])
 
+    status(f"loading {os.path.basename(model_path)} ...")
     t_load = time.perf_counter()
     loaded = load_model(args.model, weights_dtype)
     apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
@@ -125,33 +205,44 @@ def main() -> int:
     status(f"model {loaded.path} ({cfg.arch}, {cfg.num_layers} layers, {dtypes}) loaded in "
            f"{time.perf_counter() - t_load:.1f}s; policy {policy.name}")
 
-    turns, is_chat = chat.plan_turns(prompt, args.chat, resumed=header is not None)
     if header is None:
-        spec = CacheSpec.for_policies(policy, **sizes, max_len=chat.full_max_len(tok, turns, args.max_new_tokens))
+        is_chat = not args.raw and chat.has_chat_template(tok)
+        if args.system is not None and not is_chat:
+            raise UsageError(f"--system needs a chat template, and {os.path.basename(model_path)} has none")
+        system = args.system if args.system is not None else (chat.DEMO.system if demo else None)
+        values = chat.resolve_sampling(sampling_flags(args), load_generation_defaults(model_path))
+        seed = chat.draw_seed() if args.seed is None else args.seed
+        spec = CacheSpec.for_policies(policy, **sizes,
+                                      max_len=chat.full_max_len(tok, turns, args.max_new_tokens, system))
         check_cache_fits(spec.bytes_by_part(policy)["total"])
-        session = Session(apply_fn, params, spec, policy, prefill_chunk=chunk, temperature=args.temperature,
-                          top_p=args.top_p, seed=args.seed, eos_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
+        session = Session(apply_fn, params, spec, policy, prefill_chunk=chunk, sampling=Sampling(**values),
+                          seed=seed, eos_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
     else:
         try:
             session = Session.load(args.resume, apply_fn, params, loaded.identity, policy=policy)
         except SessionFileError as e:
             raise UsageError(str(e)) from None
-        spec = session.spec
+        spec, is_chat, system = session.spec, bool(header["extra"].get("chat")), None
+        values, seed = session.sampling.to_json(), session.seed
         status(f"resumed {args.resume}: {session.n_tokens} tokens so far")
-    cache_bytes = spec.bytes_by_part(policy)
-    status(f"cache budget {cache_bytes['total'] / 2**20:.1f} MiB " +
-           ", ".join(f"{k} {v / 2**20:.2f}" for k, v in cache_bytes.items() if k != "total" and v))
+    status(describe_cache(spec, policy))
+    status(describe_sampling(values, seed))
+    status("compiling the prefill and decode steps for this cache (once per configuration) ...")
     session.warmup()
-    status(f"compiled prefill + decode steps in {session.compile_s:.1f}s")
+    status(f"compiled in {session.compile_s:.1f}s")
+    if turns is None and sys.stdin.isatty():
+        status("chat: type a message and press Enter; /reset forgets the conversation, /exit (or Ctrl-D) ends it")
 
-    config = chat.ChatConfig(turns, is_chat, args.max_new_tokens, save=args.save)
-    result = chat.run(config, session, tok, identity=loaded.identity, out=sys.stderr if args.json else sys.stdout)
-    status(f"session: {session.n_tokens} tokens through a cache of "
-           f"{spec.win_capacity} window + {spec.surv_capacity} survivor slots; {result.n_prompt_tokens} prompt "
-           f"tokens, {result.n_generated} generated at {result.tokens_per_s:.1f} tok/s; "
-           f"prefill {result.prefill_s:.2f}s")
-    extra = dict(cache_bytes=cache_bytes, policy=args.policy, policy_name=policy.name, dtype=args.cache_dtype,
-                 model=loaded.path, weights_dtype=weights_dtype, cache_dtype=args.cache_dtype)
+    config = chat.ChatConfig(turns, is_chat, args.max_new_tokens, save=args.save, system=system,
+                             stop=tuple(args.stop), demo=demo)
+    result = chat.run(config, session, tok, identity=loaded.identity, out=sys.stderr if args.json else sys.stdout,
+                      status=status)
+    stops = ", ".join(f"{n} {k}" for k, n in sorted({s: result.stops.count(s) for s in result.stops}.items()))
+    status(f"session: {session.n_tokens} tokens, {result.n_prompt_tokens} prompt + {result.n_generated} generated "
+           f"at {result.tokens_per_s:.1f} tok/s (prefill {result.prefill_s:.2f}s); replies ended by: {stops or 'none'}")
+    extra = dict(cache_bytes=spec.bytes_by_part(policy), policy=args.policy, policy_name=policy.name,
+                 dtype=args.cache_dtype, model=loaded.path, weights_dtype=weights_dtype, cache_dtype=args.cache_dtype,
+                 seed=seed, sampling=values, chat=is_chat)
     if args.out is not None:
         result.write(args.out, **extra)
     if args.json:
@@ -172,13 +263,18 @@ def main_jsonl(args) -> int:
         raise UsageError(f"--streams must be positive, got {args.streams}")
     if args.max_len < 0:
         raise UsageError(f"--max-len must be >= 0, got {args.max_len}")
-    lines = chat.read_prompts_jsonl(args.prompts_jsonl, max_new_tokens=args.max_new_tokens, chat=args.chat)
+    if args.stop:
+        raise UsageError("--stop is for --prompt and chat turns, not --prompts-jsonl")
+    max_new = 256 if args.max_new_tokens is None else args.max_new_tokens
+    lines = chat.read_prompts_jsonl(args.prompts_jsonl, max_new_tokens=max_new, chat=not args.raw)
     resolve_recall_default(args)
     policy = policy_from_args(args)
 
     import jax
 
     from models.llama import load_model, split_apply
+    from models.loading import default_model_path, load_generation_defaults
+    from rsqr_jax.sampling import Sampling
     from rsqr_jax.spec import CacheSpec
     from rsqr_jax.streams import StreamScheduler
 
@@ -189,6 +285,14 @@ def main_jsonl(args) -> int:
     tok, cfg = loaded.tokenizer, loaded.config
     status(f"model {loaded.path} loaded in {time.perf_counter() - t_load:.1f}s; policy {policy.name}; "
            f"{len(lines)} prompts")
+    if not chat.has_chat_template(tok):  # plain completion for every line on a model without a template
+        import dataclasses
+
+        lines = [dataclasses.replace(pl, chat=False) for pl in lines]
+    values = chat.resolve_sampling(sampling_flags(args),
+                                   load_generation_defaults(args.model if args.model else default_model_path()))
+    seed = chat.draw_seed() if args.seed is None else args.seed
+    status(describe_sampling(values, seed))
     chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
     max_len = chat.streams_max_len(tok, lines, args.max_len or cfg.max_position_embeddings)
     spec = CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
@@ -197,8 +301,7 @@ def main_jsonl(args) -> int:
     n_slots = min(args.streams, len(lines))
     check_cache_fits(n_slots * spec.bytes_by_part(policy)["total"])
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=n_slots, prefill_chunk=chunk,
-                            temperature=args.temperature, top_p=args.top_p, eos_ids=cfg.eos_token_ids,
-                            vocab_size=cfg.vocab_size)
+                            sampling=Sampling(**values), eos_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
     sched.warmup()
     status(f"compiled the {n_slots}-stream prefill + generation block in {sched.compile_s:.1f}s")
 
@@ -210,7 +313,7 @@ def main_jsonl(args) -> int:
         else:
             print(f"[line {row['line']}] {row['text']}", flush=True)
 
-    result = chat.run_prompts(lines, sched, tok, emit=emit, seed=args.seed)
+    result = chat.run_prompts(lines, sched, tok, emit=emit, seed=seed, sampling=values, system=args.system)
     status(f"{len(lines)} prompts on {n_slots} streams: {result.n_generated} tokens in {result.run_s:.2f}s "
            f"({result.tokens_per_s:.1f} tok/s aggregate, {result.rounds} rounds)")
     if args.out is not None:

@@ -99,10 +99,10 @@ def test_a_full_cache_is_a_one_line_config_error():
 
 
 def test_plan_turns():
-    assert chat.plan_turns(None, False, resumed=False) == (chat.DEMO_TURNS, True)
-    assert chat.plan_turns("hi", False, resumed=False) == (("hi",), False)
-    assert chat.plan_turns(None, True, resumed=False) == (None, True)
-    assert chat.plan_turns(None, False, resumed=True) == (None, False)
+    assert chat.plan_turns(None, False, resumed=False) == chat.DEMO.turns
+    assert chat.plan_turns("hi", False, resumed=False) == ("hi",)
+    assert chat.plan_turns(None, True, resumed=False) is None  # the interactive loop
+    assert chat.plan_turns(None, False, resumed=True) is None
 
 
 def test_weights_dtype_auto_is_float32_on_cpu_and_the_cache_dtype_elsewhere():
@@ -324,3 +324,114 @@ def test_decode_prompts_jsonl_bad_file_fails_before_the_model_loads(tmp_path):
                           "line 2: not valid JSON")
     assert_one_line_error(run("decode.py", "--prompts-jsonl", _jsonl(tmp_path, [{"prompt": "a"}]), "--prompt", "b"),
                           "--prompt cannot be combined with it")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streaming a reply: incremental detokenization, stop strings, stop reasons, the interactive loop, the demo's
+# memory check.
+
+
+def _byte_bpe():
+    """A byte-level BPE tokenizer trained here (seeded by its corpus): multi-byte characters split across
+    tokens, so partial decodes end in U+FFFD as with real GPT-2-style vocabularies."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the bees of the rooftop hum in the sun"] * 20, vocab_size=300, min_frequency=2,
+                            show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+
+
+def test_text_stream_equals_the_whole_decode_and_never_shows_half_a_character():
+    tok = _byte_bpe()
+    text = "the bees 🐝 of Lisboa — naïve, ünïcödé, 東京 and the sun"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # the case the stream must hold back
+    stream = chat.TextStream(tok)
+    pieces = [stream.push(t) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == tok.decode(ids) == stream.text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(bool(p) for p in pieces) > len(ids) // 2  # it streams, it does not wait for the end
+
+
+class ScriptedSession:
+    """The Session surface generate_reply uses, emitting a fixed token script (the last one repeats)."""
+
+    def __init__(self, script, eos=()):
+        self.script, self.eos_ids, self.pending, self.calls = list(script), frozenset(eos), 0, 0
+
+    def generate(self, n):
+        assert n == 1
+        self.calls += 1
+        token = self.script[min(self.calls - 1, len(self.script) - 1)]
+        if token in self.eos_ids:
+            self.pending = None
+        return [token]
+
+
+class IdTokenizer:
+    """ids index a small alphabet (reversible, unlike CharTokenizer, and inside the tiny vocabulary)."""
+
+    ALPHABET = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:?!\n-"
+
+    def encode(self, text, add_special_tokens=True):
+        return [self.ALPHABET.index(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.ALPHABET[i % len(self.ALPHABET)] for i in ids)
+
+
+def test_generate_reply_stops_on_eos_on_a_stop_string_and_at_the_length():
+    tok = IdTokenizer()
+    shown = []
+    eos = len(tok.ALPHABET)
+    text, n, reason = chat.generate_reply(ScriptedSession(tok.encode("Paris.") + [eos], eos=[eos]), tok, 50,
+                                          emit=shown.append)
+    assert (text, n, reason) == ("Paris.", 7, "eos") and "".join(shown) == "Paris."
+    shown = []
+    text, n, reason = chat.generate_reply(ScriptedSession(tok.encode("one\nUser: two")), tok, 50, stop=("User:",),
+                                          emit=shown.append)
+    assert (text, reason) == ("one\n", "stop") and "".join(shown) == "one\n" and n == len("one\nUser:")
+    assert "U" not in "".join(shown)  # a possible start of the stop string is held back, never printed
+    text, n, reason = chat.generate_reply(ScriptedSession(tok.encode("abc")), tok, 5)
+    assert (text, n, reason) == ("abccc", 5, "length")
+
+
+def test_interactive_loop_resets_and_exits(capsys):
+    session = make_session("rsqr")
+    lines = ["hello\n", "/reset\n", "again\n", "/exit\n", "never\n"]
+    messages = []
+    result = chat.run(chat.ChatConfig(None, chat=True, max_new_tokens=3), session, TOK, lines=lines,
+                      status=messages.append)
+    assert len(result.replies) == 2 and "conversation reset: the cache is empty" in messages
+    # after the reset only the second turn is in the cache: its template opens a fresh conversation
+    assert session.n_tokens == len(TOK.encode("<user>again</><assistant>")) + 3  # every emitted token is fed
+    out = capsys.readouterr().out
+    assert ">>> hello" in out and ">>> again" in out and "never" not in out
+
+
+def test_demo_memory_check_finds_the_fact_tokens_and_where_they_are():
+    """The fact's token positions are found in the first turn; before the question, rsqr's device cache
+    (window 8, 2 sinks, every 3rd token up to 3 survivors) no longer holds them, `full` holds them all."""
+    from rsqr_jax import policy as P
+    from rsqr_jax.spec import CacheSpec
+
+    demo = chat.MemoryDemo("", ("xx Ada yy", "a b c d e f g h i j k l m n o p q r s t u", "who?"),
+                           (chat.Fact("name", "Ada", ("ada",)),))
+    tok = IdTokenizer()
+    apply_fn, params = model()
+    checks = {}
+    for name in ("rsqr", "full"):
+        pol = POLICIES["rsqr"] if name == "rsqr" else P.full()
+        spec = SPEC if name == "rsqr" else CacheSpec.for_policies(pol, num_layers=CFG.num_layers,
+                                                                  num_kv_heads=CFG.num_kv_heads,
+                                                                  head_dim=CFG.head_dim, max_chunk=CHUNK, max_len=128)
+        session = Session(apply_fn, params, spec, pol, prefill_chunk=CHUNK)
+        result = chat.run(chat.ChatConfig(demo.turns, chat=False, max_new_tokens=2, demo=demo), session, tok,
+                          status=lambda m: None)
+        checks[name] = result.memory
+    assert checks["rsqr"]["fact_positions"] == [3, 4, 5] == checks["full"]["fact_positions"]
+    assert checks["rsqr"]["in_device_cache"] == 0 and checks["full"]["in_device_cache"] == 3
+    assert set(checks["full"]["answer_names"]) == {"name"}
+    assert chat.DEMO.score("Your name is ADA and you keep bees in Bristol.") == {"name": True, "place": True}

@@ -1,5 +1,6 @@
-"""A streaming chat (or plain generation) through a `Session`: feeding each user turn through the chat
-template, streaming the reply, saving after every turn, and the rules of resuming a saved session.
+"""A streaming chat (or plain generation) through a `Session`: each user turn through the chat template,
+the reply streamed token by token with incremental detokenization, stop strings, saving after every
+turn, the interactive loop, the memory demo and the rules of resuming a saved session.
 
 Model-agnostic: `run` takes a ready Session and a transformers-style tokenizer (`encode`, `decode`,
 `apply_chat_template`); scripts/decode.py loads the model and builds the Session.
@@ -14,25 +15,67 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, TextIO
+from typing import Callable, Iterable, Iterator, TextIO
+
+import numpy as np
 
 from rsqr_jax.experiments.common import ConfigError, write_json_atomic
 
-DEMO_TURNS = (
-    "Hi! My name is Ada and I keep bees on a rooftop in Lisbon. Give me three tips for a beginner beekeeper.",
-    "Which flowers should I plant nearby so my bees have food all year?",
-    "How can I tell whether a hive is healthy?",
-    "Write a short poem about bees waking up at sunrise.",
-    "What is the capital of France?",
-    "Explain in two sentences why bees dance.",
-    "Remind me: what is my name, and where do I keep my bees?",
+
+@dataclasses.dataclass(frozen=True)
+class Fact:
+    """A fact the demo states once: `mention` (as written in the first turn) and the `answers` that count
+    as remembering it (case-insensitive substrings of the reply to the closing question)."""
+
+    label: str
+    mention: str
+    answers: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryDemo:
+    """The demo conversation: facts stated once in the first turn, unrelated turns long enough that the
+    facts leave the window and the survivors, then the question that asks for them."""
+
+    system: str
+    turns: tuple[str, ...]
+    facts: tuple[Fact, ...]
+
+    @property
+    def question(self) -> str:
+        return self.turns[-1]
+
+    def score(self, answer: str) -> dict[str, bool]:
+        """Which facts the answer names (any of each fact's answers, case-insensitive)."""
+        low = answer.lower()
+        return {f.label: any(a.lower() in low for a in f.answers) for f in self.facts}
+
+
+DEMO = MemoryDemo(
+    system="You are a helpful AI assistant. Keep your answers short.",
+    turns=(
+        "Hi! My name is Ada and I keep my bees on a rooftop in Bristol.",
+        "What is the capital of France?",
+        "Why is the sky blue?",
+        "Give me a simple recipe for pancakes.",
+        "Write a short poem about the sea.",
+        "How does a rainbow form?",
+        "What are three habits that help people sleep well?",
+        "Tell me a fun fact about octopuses.",
+        "What is the difference between a planet and a star?",
+        "Suggest a name for a friendly robot and say why.",
+        "How do plants make their food?",
+        "Remind me: what is my name, and where do I keep my bees?",
+    ),
+    facts=(Fact("name", "Ada", ("Ada",)), Fact("place", "Bristol", ("Bristol",))),
 )
+DEMO_TURNS = DEMO.turns
 
 DTYPES = ("float32", "bfloat16")
 
 # decode.py's recall tier under rsqr when --recall-pages is not given: on, because without it the demo's
-# closing question is lost with the window (README; docs/recall_tier.md section 5). Other policies keep
-# their published behaviour (off).
+# closing question is lost with the window (README; docs/recall_tier.md). Other policies keep their
+# published behaviour (off).
 DEFAULT_RECALL_PAGES = 4
 
 
@@ -50,6 +93,10 @@ class ChatFeed:
         self.fed_text = fed_text
 
     def user_turn(self, content: str) -> list[int]:
+        return self.tok.encode(self.user_turn_text(content), add_special_tokens=False)
+
+    def user_turn_text(self, content: str) -> str:
+        """The text still to feed for a new user turn (what `user_turn` tokenizes)."""
         self.messages.append({"role": "user", "content": content})
         full = self.tok.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
         if full.startswith(self.fed_text):
@@ -57,34 +104,135 @@ class ChatFeed:
         else:  # the template rewrote earlier text: close the turn and render only the new message
             new = self.tok.apply_chat_template(self.messages[-1:], tokenize=False, add_generation_prompt=True)
         self.fed_text = full
-        return self.tok.encode(new, add_special_tokens=False)
+        return new
 
     def assistant_reply(self, text: str) -> None:
         self.messages.append({"role": "assistant", "content": text})
         self.fed_text += text
 
 
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+class TextStream:
+    """Incremental detokenization: each new token decodes only a short tail of the reply (not the whole
+    reply again), and text that ends inside a multi-byte character (U+FFFD) is held back until it is whole.
+    The concatenated deltas equal decoding the whole reply at once."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the tail that is decoded again
+        self._read = 0  # tokens whose text has been emitted
+        self.text = ""
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """The new text this token completes ("" if it completes none yet)."""
+        self.ids.append(int(token))
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        rest = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]
+        self._prefix = self._read = len(self.ids)
+        self.text += rest
+        return rest
+
+
+def token_char_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each token's text in decode(ids) (special tokens kept), by decoding prefixes."""
+    ends = [len(tokenizer.decode(ids[:i + 1], skip_special_tokens=False)) for i in range(len(ids))]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def fact_token_indices(tokenizer, ids: list[int], words: Iterable[str]) -> list[int]:
+    """Indices into `ids` of the tokens that spell any of `words` (every occurrence)."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    spans = token_char_spans(tokenizer, ids)
+    out = set()
+    for w in words:
+        at = text.find(w)
+        while at >= 0:
+            out.update(i for i, (s, e) in enumerate(spans) if s < at + len(w) and e > at)
+            at = text.find(w, at + 1)
+    return sorted(out)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Checks and settings (before any model is loaded).
 
+# The sampling flags (by Sampling field) and the chat defaults used where neither a flag nor the model's own
+# generation config sets them: SmolLM2-class models loop and copy earlier replies when greedy. llama.cpp's
+# top-k / top-p / min-p with a low temperature for a 135M model, and the repeat penalty over the last 256
+# tokens (llama.cpp looks at 64) so that a reply does not reopen with the previous one's words (docs/chat.md).
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                   "frequency_penalty")
+CHAT_SAMPLING = {"temperature": 0.3, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repeat_penalty": 1.1,
+                 "repeat_last_n": 256, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
-def check_generation(*, max_new_tokens: int, temperature: float, top_p: float, seed: int, prefill_chunk: int) -> None:
-    """One-line ConfigError for sampler / chunk settings a Session would refuse later (or silently misuse)."""
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def check_sampling(values: dict, name: Callable[[str], str] = flag) -> None:
+    """One-line ConfigError naming the flag (or `name(field)`) for a sampling value the sampler would refuse."""
+    finite = {k: v for k, v in values.items() if v is not None}
+    for k, v in finite.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{name(k)} must be a finite number, got {v!r}")
+    rules = {"temperature": (lambda v: v >= 0, ">= 0"), "top_k": (lambda v: v >= 0 and v == int(v), "an integer >= 0"),
+             "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "min_p": (lambda v: 0 <= v < 1, "in [0, 1)"),
+             "repeat_penalty": (lambda v: v > 0, "> 0"),
+             "repeat_last_n": (lambda v: v >= 0 and v == int(v), "an integer >= 0")}
+    for k, (ok, what) in rules.items():
+        if k in finite and not ok(finite[k]):
+            raise ConfigError(f"{name(k)} must be {what}, got {finite[k]}")
+
+
+def resolve_sampling(flags: dict, model_defaults: dict | None = None) -> dict:
+    """Each sampling value: the flag if given (not None), else the model's generation default, else CHAT_SAMPLING."""
+    model_defaults = model_defaults or {}
+    out = {}
+    for k in SAMPLING_FIELDS:
+        v = flags.get(k)
+        out[k] = v if v is not None else model_defaults.get(k, CHAT_SAMPLING[k])
+    out["top_k"], out["repeat_last_n"] = int(out["top_k"]), int(out["repeat_last_n"])
+    return out
+
+
+def check_generation(*, max_new_tokens: int, seed: int | None, prefill_chunk: int, **sampling) -> None:
+    """One-line ConfigError for generation settings a Session would refuse later (or silently misuse)."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {top_p}")
-    if not 0 <= seed < 2**32:
+    check_sampling(sampling)
+    if seed is not None and not 0 <= seed < 2**32:
         raise ConfigError(f"--seed must be in [0, 2**32), got {seed}")
     if prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk must be positive, got {prefill_chunk}")
 
 
-def check_dtype(flag: str, value: str | None, allowed: tuple[str, ...] = DTYPES) -> None:
+def draw_seed() -> int:
+    """A fresh random seed (printed, so a run can be repeated with --seed)."""
+    import secrets
+
+    return secrets.randbelow(2**32)
+
+
+def check_dtype(flag_name: str, value: str | None, allowed: tuple[str, ...] = DTYPES) -> None:
     if value is not None and value not in allowed:
-        raise ConfigError(f"{flag} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
+        raise ConfigError(f"{flag_name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
 
 
 def cache_dtype(dtype: str, cache_dtype: str | None, weights_dtype: str, *, dtype_given: bool) -> str:
@@ -136,7 +284,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The dests of the flags actually given on the command line (not left at their defaults): only those
-    can conflict with a resumed session."""
+    can conflict with a resumed session. (argparse records no provenance: parse once more with every
+    default suppressed.)"""
     saved = {id(a): a.default for a in parser._actions}
     try:
         for a in parser._actions:
@@ -152,18 +301,27 @@ _POLICY_FIELDS = {"window": "window", "sinks": "n_sink", "delta": "delta", "max_
                   "block": "block", "recall_pages": "recall_pages"}
 
 
+def saved_sampling(header: dict) -> dict:
+    """The sampling values of a session header (files from before the full sampler hold temperature/top_p)."""
+    if isinstance(header.get("sampling"), dict):
+        return {k: header["sampling"][k] for k in SAMPLING_FIELDS if k in header["sampling"]}
+    off = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0}
+    return {"temperature": header["temperature"], "top_p": header["top_p"], **off}
+
+
 def saved_settings(header: dict) -> dict:
     """The settings (by command-line dest) a saved session fixes: policy, cache, sampler, model."""
     from rsqr_jax.policy import MODES, OVERFLOWS
     from rsqr_jax.spec import ColdStore
 
     pol = header["policy"]
-    cache_dtype = header["spec"]["dtype"]
+    cache_dtype_ = header["spec"]["dtype"]
     return {"policy": MODES[pol["mode"]], "overflow": OVERFLOWS[pol["overflow"]],
             **{dest: pol[key] for dest, key in _POLICY_FIELDS.items()},
-            "prefill_chunk": header["prefill_chunk"], "temperature": header["temperature"],
-            "top_p": header["top_p"], "seed": header["seed"], "dtype": cache_dtype, "cache_dtype": cache_dtype,
-            "weights_dtype": header["identity"].get("dtype", cache_dtype),
+            "prefill_chunk": header["prefill_chunk"], **saved_sampling(header), "seed": header["seed"],
+            "dtype": cache_dtype_, "cache_dtype": cache_dtype_,
+            "weights_dtype": header["identity"].get("dtype", cache_dtype_),
             **({"cold_capacity": cold.capacity, "page_size": cold.page_size, "page_score": cold.page_score,
                 "recall_neighbors": cold.neighbors} if (cold := ColdStore.of_spec(header["spec"])) else {}),
             "chat": bool(header["extra"].get("chat", False))}
@@ -178,9 +336,8 @@ def apply_resume(settings: dict, header: dict, given: set[str]) -> dict:
         mine = settings.get(dest)
         harmless = (dest == "chat" and value) or (dest == "weights_dtype" and mine == "auto")
         if dest in given and mine != value and not harmless:
-            flag = "--" + dest.replace("_", "-")
             shown = "" if dest == "chat" else f" {mine}"
-            raise ConfigError(f"{flag}{shown} conflicts with the resumed session ({dest} = {value})")
+            raise ConfigError(f"{flag(dest)}{shown} conflicts with the resumed session ({dest} = {value})")
         out[dest] = value
     path = header["identity"].get("path")
     if settings.get("model") is None:
@@ -190,19 +347,22 @@ def apply_resume(settings: dict, header: dict, given: set[str]) -> dict:
     return out
 
 
-def plan_turns(prompt: str | None, chat: bool, resumed: bool) -> tuple[tuple[str, ...] | None, bool]:
-    """(turns, chat): the demo conversation without a prompt, the prompt, or None = one turn per stdin line."""
-    if prompt is None and not chat and not resumed:
-        return DEMO_TURNS, True
+def plan_turns(prompt: str | None, interactive: bool, resumed: bool) -> tuple[str, ...] | None:
+    """The turns to run: the demo conversation without a prompt, the prompt, or None = the interactive loop
+    (stdin lines)."""
     if prompt is not None:
-        return (prompt,), chat
-    return None, True if not resumed else chat
+        return (prompt,)
+    if interactive or resumed:
+        return None
+    return DEMO.turns
 
 
-def full_max_len(tokenizer, turns: tuple[str, ...] | None, max_new_tokens: int) -> int:
+def full_max_len(tokenizer, turns: tuple[str, ...] | None, max_new_tokens: int, system: str | None = None) -> int:
     """Positions a `full` cache needs for this run (prompts + replies, rounded up to 64): it must hold the
     whole session, and attention pays for every slot, so no more than this run can reach."""
     prompt_bound = sum(len(tokenizer.encode(t)) + 64 for t in turns) if turns else 4096
+    if system:
+        prompt_bound += len(tokenizer.encode(system)) + 64
     n_turns = len(turns) if turns else 16
     max_len = prompt_bound + n_turns * (max_new_tokens + 8)
     return -(-max_len // 64) * 64
@@ -211,15 +371,23 @@ def full_max_len(tokenizer, turns: tuple[str, ...] | None, max_new_tokens: int) 
 # ----------------------------------------------------------------------------------------------------
 # The turn loop.
 
+COMMANDS = {"/exit": "end the chat", "/quit": "end the chat", "/reset": "forget the conversation (an empty cache)"}
+
 
 @dataclasses.dataclass(frozen=True)
 class ChatConfig:
-    """turns None: one turn per non-empty line of `lines` (stdin); save: session file written after every turn."""
+    """turns None: the interactive loop (one turn per line of stdin; /exit, /reset). chat: feed turns through
+    the chat template (else plain completion). save: session file written after every turn. system: the system
+    prompt of a new chat. stop: strings that end a reply (cut before them). demo: the memory demo whose facts
+    the run tracks (positions, in the cache or not, named in the answer)."""
 
     turns: tuple[str, ...] | None
     chat: bool
     max_new_tokens: int
     save: str | None = None
+    system: str | None = None
+    stop: tuple[str, ...] = ()
+    demo: MemoryDemo | None = None
 
 
 @dataclasses.dataclass
@@ -231,17 +399,23 @@ class ChatResult:
     decode_s: float
     compile_s: float
     session_tokens: int
+    stops: list[str] = dataclasses.field(default_factory=list)
+    memory: dict | None = None
 
     @property
     def tokens_per_s(self) -> float:
         return self.n_generated / self.decode_s if self.decode_s > 0 else float("nan")
 
     def to_json(self, **extra) -> dict:
-        """The --json object of scripts/decode.py (`extra`: cache_bytes, policy, dtype, model, ...)."""
+        """The --json object of scripts/decode.py (`extra`: cache_bytes, policy, dtype, model, seed, ...)."""
         text = self.replies[-1] if len(self.replies) == 1 else "\n\n".join(self.replies)
-        return {"text": text, "replies": self.replies, "n_prompt_tokens": self.n_prompt_tokens,
-                "n_generated": self.n_generated, "tokens_per_s": self.tokens_per_s, "prefill_s": self.prefill_s,
-                "compile_s": self.compile_s, "session_tokens": self.session_tokens, **extra}
+        out = {"text": text, "replies": self.replies, "stop": self.stops[-1] if self.stops else None,
+               "stops": self.stops, "n_prompt_tokens": self.n_prompt_tokens, "n_generated": self.n_generated,
+               "tokens_per_s": self.tokens_per_s, "prefill_s": self.prefill_s, "compile_s": self.compile_s,
+               "session_tokens": self.session_tokens, **extra}
+        if self.memory is not None:
+            out["memory"] = self.memory
+        return out
 
     def write(self, out_dir: str | os.PathLike, **extra) -> Path:
         path = Path(out_dir) / "decode.json"
@@ -249,23 +423,136 @@ class ChatResult:
         return path
 
 
-def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None, out: TextIO | None = None,
-        lines: Iterable[str] | None = None) -> ChatResult:
-    """Feed each turn, stream the reply's text to `out` as it is generated, save after every turn.
+def stdin_turns(stdin: TextIO, prompt_out: TextIO) -> Iterator[tuple[str, bool]]:
+    """(line, typed on a terminal) for each line of stdin; on a terminal with a "> " prompt (and line editing)."""
+    if stdin.isatty():
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+        while True:
+            try:
+                print("> ", end="", file=prompt_out, flush=True)
+                line = stdin.readline()
+            except KeyboardInterrupt:
+                print(file=prompt_out)
+                return
+            if not line:
+                print(file=prompt_out)
+                return
+            yield line, True
+    else:
+        for line in stdin:
+            yield line, False
 
-    A resumed chat session continues its transcript from `session.extra`. identity: what the saved file
-    records (models.llama.LoadedModel.identity); required with config.save."""
+
+def device_positions(cache) -> np.ndarray:
+    """Global positions of the tokens the device cache attends to (window, sinks, survivors): not the cold store."""
+    pos = np.concatenate([np.asarray(cache.win_pos).ravel(), np.asarray(cache.surv_pos).ravel()])
+    return np.unique(pos[pos >= 0])
+
+
+def cold_positions(cache) -> np.ndarray:
+    """Global positions held in the recall tier's cold store."""
+    pos = np.asarray(cache.cold_pos).ravel()
+    return np.unique(pos[pos >= 0])
+
+
+def memory_check(cache, fact_positions: list[int], has_cold_store: bool) -> dict:
+    """Where the demo's fact tokens are right before the closing question."""
+    dev = np.isin(fact_positions, device_positions(cache))
+    out = {"fact_positions": [int(p) for p in fact_positions], "in_device_cache": int(dev.sum())}
+    if has_cold_store:
+        out["in_cold_store"] = int(np.isin(fact_positions, cold_positions(cache)).sum())
+    return out
+
+
+def describe_memory(check: dict) -> str:
+    n, dev = len(check["fact_positions"]), check["in_device_cache"]
+    pos = check["fact_positions"]
+    text = (f"memory check: the facts' {n} tokens (positions {pos[0]}-{pos[-1]}) in the device cache "
+            f"(window, sinks, survivors): {'none' if dev == 0 else f'{dev} of {n}'}")
+    if "in_cold_store" in check:
+        text += f"; in the cold store: {check['in_cold_store']} of {n}"
+    return text
+
+
+def _find_stop(text: str, stop: tuple[str, ...], start: int) -> int:
+    hits = [i for s in stop if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else -1
+
+
+def generate_reply(session, tokenizer, max_new_tokens: int, stop: tuple[str, ...] = (),
+                   emit: Callable[[str], None] | None = None) -> tuple[str, int, str]:
+    """Generate one reply token by token: (text, tokens generated, stop reason "eos" / "stop" / "length").
+
+    Each token is detokenized incrementally and handed to `emit` as soon as it cannot be the start of a stop
+    string; a stop string ends the reply (the text is cut before it)."""
+    emit = emit or (lambda s: None)
+    stream = TextStream(tokenizer)
+    hold = max((len(s) for s in stop), default=1) - 1
+    shown, n, reason = 0, 0, "length"
+    while n < max_new_tokens and session.pending is not None:
+        token = session.generate(1)[0]
+        n += 1
+        if token in session.eos_ids:
+            reason = "eos"
+            break
+        stream.push(token)
+        if stop:
+            at = _find_stop(stream.text, stop, max(0, shown - hold))
+            if at >= 0:
+                emit(stream.text[shown:at])
+                return stream.text[:at], n, "stop"
+        safe = len(stream.text) - hold
+        if safe > shown:
+            emit(stream.text[shown:safe])
+            shown = safe
+    stream.flush()
+    text = stream.text
+    if stop and (at := _find_stop(text, stop, max(0, shown - hold))) >= 0:
+        text, reason = text[:at], "stop"
+    emit(text[shown:])
+    return text, n, reason
+
+
+def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None, out: TextIO | None = None,
+        lines: Iterable[str] | None = None, status: Callable[[str], None] | None = None) -> ChatResult:
+    """Feed each turn, stream the reply's text to `out` token by token, save after every turn.
+
+    config.turns None: the interactive loop over `lines` (default stdin): "/exit" ends it, "/reset" empties the
+    cache and the transcript; on a terminal typed lines are not echoed, otherwise each turn is printed as
+    ">>> turn" so the transcript reads whole. A resumed chat session continues its transcript from
+    `session.extra`. identity: what the saved file records (models.llama.LoadedModel.identity); required with
+    config.save. status: where status lines go (memory check, empty replies)."""
     from rsqr_jax.session import SessionFileError
 
     out = sys.stdout if out is None else out
+    status = status or (lambda msg: print(msg, file=sys.stderr, flush=True))
     tok, chat = tokenizer, config.chat
-    feeder = ChatFeed(tok, session.extra.get("messages"), session.extra.get("fed_text", "")) if chat else None
-    result = ChatResult([], 0, 0, 0.0, 0.0, session.compile_s, session.n_tokens)
 
-    def run_turn(user_text: str) -> None:
-        ids = feeder.user_turn(user_text) if chat else tok.encode(user_text)
-        if chat:
+    def new_feeder() -> ChatFeed:
+        return ChatFeed(tok, [{"role": "system", "content": config.system}] if config.system else [])
+
+    if chat and "messages" in session.extra:
+        feeder = ChatFeed(tok, session.extra.get("messages"), session.extra.get("fed_text", ""))
+    else:
+        feeder = new_feeder() if chat else None
+    result = ChatResult([], 0, 0, 0.0, 0.0, session.compile_s, session.n_tokens)
+    demo = config.demo
+    fact_positions: list[int] = []
+
+    def run_turn(index: int, user_text: str, echo: bool) -> None:
+        nonlocal fact_positions
+        if echo:
             print(f"\n>>> {user_text}", file=out, flush=True)
+        ids = feeder.user_turn(user_text) if chat else tok.encode(user_text)
+        if demo is not None and index == 0:
+            base = int(session.cache.t)
+            fact_positions = [base + i for i in fact_token_indices(tok, ids, [f.mention for f in demo.facts])]
+        if demo is not None and user_text == demo.question and fact_positions:
+            result.memory = memory_check(session.cache, fact_positions, session.spec.cold_slots > 0)
+            status(describe_memory(result.memory))
         t0 = time.perf_counter()
         try:
             session.feed(ids)
@@ -273,23 +560,25 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
             raise ConfigError(str(e)) from None
         result.prefill_s += time.perf_counter() - t0
         result.n_prompt_tokens += len(ids)
-        reply: list[int] = []
-        printed = ""
 
-        def on_token(t: int) -> None:
-            nonlocal printed
-            reply.append(t)
-            text = tok.decode(reply, skip_special_tokens=True)
-            print(text[len(printed):], end="", file=out, flush=True)
-            printed = text
+        def emit(piece: str) -> None:
+            if piece:
+                print(piece, end="", file=out, flush=True)
 
         t0 = time.perf_counter()
-        session.generate(config.max_new_tokens, on_token)
+        text, n, reason = generate_reply(session, tok, config.max_new_tokens, config.stop, emit)
         result.decode_s += time.perf_counter() - t0
         print(file=out, flush=True)
-        result.n_generated += len(reply)
-        text = tok.decode(reply, skip_special_tokens=True)
+        result.n_generated += n
         result.replies.append(text)
+        result.stops.append(reason)
+        if not text.strip():
+            status(f"empty reply (stop: {reason}): the model ended the turn at once"
+                   + ("" if chat else "; an instruct model may need its chat template (drop --raw)"))
+        if demo is not None and user_text == demo.question and result.memory is not None:
+            result.memory["answer_names"] = demo.score(text)
+            named = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in result.memory["answer_names"].items())
+            status(f"memory check: the answer names {named}")
         if chat:
             feeder.assistant_reply(text)
         if config.save is not None:
@@ -301,12 +590,27 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
                 raise ConfigError(str(e)) from None
 
     if config.turns is None:
-        for line in (sys.stdin if lines is None else lines):
-            if line.strip():
-                run_turn(line.strip())
+        source = ((ln, False) for ln in lines) if lines is not None else stdin_turns(sys.stdin, out)
+        index = 0
+        for line, typed in source:
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                break
+            if text == "/reset":
+                session.reset()
+                feeder = new_feeder() if chat else None
+                status("conversation reset: the cache is empty")
+                continue
+            if text.startswith("/") and text.split()[0] in ("/help", "/?"):
+                status("commands: " + "; ".join(f"{c} {what}" for c, what in COMMANDS.items()))
+                continue
+            run_turn(index, text, echo=chat and not typed)
+            index += 1
     else:
-        for turn in config.turns:
-            run_turn(turn)
+        for index, turn in enumerate(config.turns):
+            run_turn(index, turn, echo=chat and len(config.turns) > 1)
     result.session_tokens, result.compile_s = session.n_tokens, session.compile_s
     return result
 
@@ -314,7 +618,7 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
 # ----------------------------------------------------------------------------------------------------
 # Many prompts at once (decode.py --prompts-jsonl): one stream per prompt on rsqr_jax.streams.
 
-_JSONL_KEYS = {"prompt", "max_new_tokens", "chat"}
+_JSONL_KEYS = {"prompt", "max_new_tokens", "chat", "seed", *SAMPLING_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,12 +629,15 @@ class PromptLine:
     prompt: str
     max_new_tokens: int
     chat: bool
+    seed: int | None = None
+    sampling: tuple[tuple[str, float], ...] = ()  # this line's own sampling values (the flags' otherwise)
 
 
 def read_prompts_jsonl(path: str, *, max_new_tokens: int, chat: bool) -> list[PromptLine]:
     """Every request of a JSONL file, checked up front (before a model is loaded): one JSON object per
     non-blank line, {"prompt": str, "max_new_tokens": int (default the flag), "chat": bool (default the
-    flag)}. A malformed line is a ConfigError naming its line: nothing has run yet, so nothing is lost,
+    flag), "seed": int, and any sampling value ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+    "presence_penalty", "frequency_penalty"; default the flags)}. A malformed line is a ConfigError naming its line: nothing has run yet, so nothing is lost,
     and a typo is not silently skipped."""
     import json
 
@@ -364,15 +671,27 @@ def read_prompts_jsonl(path: str, *, max_new_tokens: int, chat: bool) -> list[Pr
         c = obj.get("chat", chat)
         if not isinstance(c, bool):
             raise ConfigError(f"{where}: \"chat\" must be true or false, got {c!r}")
-        out.append(PromptLine(n, prompt, m, c))
+        s = obj.get("seed")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32):
+            raise ConfigError(f"{where}: \"seed\" must be an integer in [0, 2**32), got {s!r}")
+        own = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+        if "repeat_last_n" in own:
+            raise ConfigError(f"{where}: \"repeat_last_n\" is set for the whole run (--repeat-last-n), not per line")
+        try:
+            check_sampling(own, name=lambda k: f'"{k}"')
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        out.append(PromptLine(n, prompt, m, c, s, tuple(sorted(own.items()))))
     if not out:
         raise ConfigError(f"prompts file {path} has no prompts")
     return out
 
 
-def prompt_ids(tokenizer, prompt: str, is_chat: bool) -> list[int]:
+def prompt_ids(tokenizer, prompt: str, is_chat: bool, system: str | None = None) -> list[int]:
     """The token ids decode.py --prompt feeds for this prompt (the chat template's first user turn)."""
-    return ChatFeed(tokenizer).user_turn(prompt) if is_chat else tokenizer.encode(prompt)
+    if not is_chat:
+        return tokenizer.encode(prompt)
+    return ChatFeed(tokenizer, [{"role": "system", "content": system}] if system else []).user_turn(prompt)
 
 
 def streams_max_len(tokenizer, lines: list[PromptLine], cap: int) -> int:
@@ -402,10 +721,12 @@ class StreamsResult:
         return self.n_generated / self.run_s if self.run_s > 0 else float("nan")
 
 
-def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None, seed: int = 0) -> StreamsResult:
+def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None, seed: int = 0,
+                sampling: dict | None = None, system: str | None = None) -> StreamsResult:
     """Generate every request concurrently on `scheduler` (a rsqr_jax.streams.StreamScheduler); `emit(row)`
     sees each row as its stream finishes. Every stream's rng starts from `seed`, as decode.py --seed
-    starts a lone prompt's, so sampled outputs equal the single-prompt ones too. A request the scheduler refuses (e.g. longer than a `full`
+    starts a lone prompt's, so sampled outputs equal the single-prompt ones too; a line's own "seed" and
+    sampling values override `seed` and `sampling` (the run's values, by Sampling field) for that line. A request the scheduler refuses (e.g. longer than a `full`
     cache) becomes an {"line", "error"} row and the others still run: their results are not lost."""
     from rsqr_jax.streams import Request
 
@@ -413,9 +734,15 @@ def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None, see
     by_index: dict[int, tuple[PromptLine, list[int]]] = {}
     emit = emit or (lambda row: None)
     for pl in lines:
-        ids = prompt_ids(tokenizer, pl.prompt, pl.chat)
+        ids = prompt_ids(tokenizer, pl.prompt, pl.chat, system)
+        own = None
+        if pl.sampling:
+            from rsqr_jax.sampling import Sampling
+
+            own = Sampling(**{**(sampling or {}), **dict(pl.sampling)})
         try:
-            index = scheduler.submit(Request(tuple(ids), pl.max_new_tokens, seed))
+            index = scheduler.submit(Request(tuple(ids), pl.max_new_tokens, seed if pl.seed is None else pl.seed,
+                                             sampling=own))
         except ValueError as e:
             rows[pl.line] = {"line": pl.line, "error": str(e)}
             emit(rows[pl.line])
@@ -424,7 +751,8 @@ def run_prompts(lines: list[PromptLine], scheduler, tokenizer, *, emit=None, see
 
     def finished(f) -> None:
         pl, ids = by_index[f.index]
-        rows[pl.line] = {"line": pl.line, "text": tokenizer.decode(f.tokens, skip_special_tokens=True),
+        text_ids = [t for t in f.tokens if t not in scheduler.eos_ids]  # a reply's text never holds its EOS
+        rows[pl.line] = {"line": pl.line, "text": tokenizer.decode(text_ids, skip_special_tokens=True),
                          "n_prompt_tokens": len(ids), "n_generated": len(f.tokens), "stop": f.stop,
                          "token_ids": f.tokens, "chat": pl.chat}
         emit(rows[pl.line])
