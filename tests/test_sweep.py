@@ -22,7 +22,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
 from rsqr_jax.sweep import policy_grid, summarize, sweep_nll
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
-from tests.cli import assert_one_line_error
+from tests.cli import assert_one_line_error, run_scripts
 
 CFG = tiny_config()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,7 +180,7 @@ def _cli(*args, timeout=600):
                           text=True, timeout=timeout, cwd=ROOT, env=SCRIPT_ENV)
 
 
-@pytest.mark.parametrize("args, fragment", [
+SWEEP_FLAGS = [
     (["--grid", "mode=rsqr,sinkcache"], "unknown policy 'sinkcache'"),
     (["--grid", "mode=rsqr windw=8"], "unknown grid key 'windw'"),
     (["--text", "/nonexistent/text.txt"], "text file not found"),
@@ -193,9 +193,20 @@ def _cli(*args, timeout=600):
     (["--quick", "--processes", "4096"], "one local process per core at most"),
     (["--quick", "--processes", "2", "--devices", "3"], "does not split evenly"),
     (["--quick", "--coordinator", "localhost"], "needs --num-processes and --process-id"),
-])
-def test_sweep_cli_bad_input(args, fragment):
-    assert_one_line_error(_cli(*args), fragment)
+]
+
+
+@pytest.fixture(scope="module")
+def sweep_cli():
+    """{args: finished process} of every SWEEP_FLAGS case, run in one batch (tests/cli.py run_scripts: one
+    interpreter); the real-model and --processes tests run sweep.py as its own process."""
+    procs = run_scripts([("sweep.py", a) for a, _ in SWEEP_FLAGS])
+    return {tuple(a): proc for (a, _), proc in zip(SWEEP_FLAGS, procs)}
+
+
+@pytest.mark.parametrize("args, fragment", SWEEP_FLAGS)
+def test_sweep_cli_bad_input(sweep_cli, args, fragment):
+    assert_one_line_error(sweep_cli[tuple(args)], fragment)
 
 
 @pytest.mark.slow
