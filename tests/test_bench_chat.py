@@ -47,7 +47,9 @@ def test_every_arm_has_positive_finite_figures(result):
         assert len(r["tok_per_s_rounds"]) == TINY.rounds and r["new_tokens"] == TINY.new_tokens
         assert r["recallable"] == 0  # the recall arms measure an empty store
     for q in result["ratios"]:
-        assert math.isfinite(q["value"]) and q["value"] > 0 and len(q["rounds"]) == TINY.rounds
+        for v in (q["value"], q["cpu_value"]):
+            assert math.isfinite(v) and v > 0
+        assert len(q["rounds"]) == len(q["cpu_rounds"]) == TINY.rounds
     assert {q["meets"] for q in result["ratios"] if q["target"] is None} == {None}
 
 
