@@ -43,6 +43,21 @@ def run_scripts(cases, timeout: int = 600) -> list[subprocess.CompletedProcess]:
                                         r["stderr"]) for (s, a, _), r in zip(cases, results)]
 
 
+def run_in_process(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """`python scripts/<script> args...` as __main__ in THIS process (tests/script_driver.py run_case: own argv,
+    stdin, captured output, the exit code a process would return): no interpreter, jax import or model load
+    of its own (models.llama.load_model keeps what it loaded), and the compilations of earlier runs stay in
+    this process's caches. For runs whose real-process behaviour (signals, a fresh import) is tested elsewhere."""
+    from tests.script_driver import run_case
+
+    scripts = str(REPO / "scripts")
+    if scripts not in sys.path:  # the scripts import their shared module as `_common`
+        sys.path.insert(0, scripts)
+    r = run_case(str(REPO / "scripts" / script), list(args), stdin)
+    return subprocess.CompletedProcess([sys.executable, str(REPO / "scripts" / script), *args], r["returncode"],
+                                       r["stdout"], r["stderr"])
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str, *, after_status: bool = False,
                           prog: str | None = None) -> str:
     """Exit code 2, no traceback, nothing on stdout, and the error as the only stderr line (after_status:
