@@ -17,6 +17,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TEXT = Path(importlib.util.find_spec("rsqr_jax").origin).parent / "data" / "frankenstein.txt"
 
 
+# transformers serves tokenizers and chat templates here; its advice to install PyTorch (absent in a runtime-only
+# install) is noise on a user's terminal.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 class UsageError(Exception):
     """Bad user input: reported as one line, exit code 2."""
 

@@ -435,3 +435,30 @@ def test_demo_memory_check_finds_the_fact_tokens_and_where_they_are():
     assert checks["rsqr"]["in_device_cache"] == 0 and checks["full"]["in_device_cache"] == 3
     assert set(checks["full"]["answer_names"]) == {"name"}
     assert chat.DEMO.score("Your name is ADA and you keep bees in Bristol.") == {"name": True, "place": True}
+
+
+def test_prompts_jsonl_rows_carry_their_own_sampling_and_seed(tmp_path):
+    """A line's own "temperature"/"top_k"/"seed" override the run's values for that line only: each row equals a
+    lone Session with those settings; a bad value names its line."""
+    from rsqr_jax.sampling import Sampling
+    from rsqr_jax.streams import StreamScheduler
+
+    rows = [{"prompt": "hello", "max_new_tokens": 6},
+            {"prompt": "hello", "max_new_tokens": 6, "temperature": 8.0, "top_k": 20, "seed": 3},
+            {"prompt": "hello", "max_new_tokens": 6, "temperature": 8.0, "top_k": 20, "seed": 4}]
+    lines = chat.read_prompts_jsonl(_jsonl(tmp_path, rows), max_new_tokens=4, chat=False)
+    run_values = {**chat.CHAT_SAMPLING, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repeat_last_n": 8}
+    apply_fn, params = model()
+    sched = StreamScheduler(apply_fn, params, SPEC, POLICIES["rsqr"], n_slots=3, prefill_chunk=CHUNK,
+                            sampling=Sampling(**run_values), vocab_size=CFG.vocab_size)
+    got = [r["token_ids"] for r in chat.run_prompts(lines, sched, TOK, seed=0, sampling=run_values).rows]
+    alone = []
+    for r in rows:
+        own = {k: r[k] for k in ("temperature", "top_k") if k in r}
+        s = make_session("rsqr", sampling=Sampling(**{**run_values, **own}), seed=r.get("seed", 0))
+        s.feed(TOK.encode(r["prompt"]))
+        alone.append(s.generate(r["max_new_tokens"]))
+    assert got == alone and got[1] != got[2]  # the two sampled lines differ only by their seed (the tiny model is peaked: a high temperature)
+    with pytest.raises(ConfigError, match='line 2: "top_p" must be in \\(0, 1\\]'):
+        chat.read_prompts_jsonl(_jsonl(tmp_path, [{"prompt": "a"}, {"prompt": "b", "top_p": 0}], name="bad.jsonl"),
+                                max_new_tokens=4, chat=False)

@@ -28,6 +28,14 @@ DECODE_FLAGS = [
     (["--dtype", "float16"], "--dtype must be float32 or bfloat16"),
     (["--model", "/nonexistent/model.gguf"], "model not found"),
     (["--prompt", "hi", "--prompt-file", "x"], "not both"),
+    (["--top-k", "-1"], "--top-k must be an integer >= 0"),
+    (["--min-p", "1.5"], "--min-p must be in [0, 1)"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be > 0"),
+    (["--repeat-last-n", "-2"], "--repeat-last-n must be an integer >= 0"),
+    (["--presence-penalty", "inf"], "--presence-penalty must be a number and finite"),
+    (["--raw", "--chat"], "--raw is plain completion"),
+    (["--raw", "--system", "be terse"], "--raw is plain completion"),
+    (["--stop", ""], "--stop needs a non-empty text"),
 ]
 
 
@@ -76,34 +84,27 @@ def test_truncated_model_file(tmp_path, smollm2_path):
 
 
 @pytest.mark.slow
-def test_full_policy_answers_paris(smollm2_path):
-    proc = run("decode.py", "--policy", "full", "--chat", "--prompt", "What is the capital of France?",
-               "--max-new-tokens", "16", "--json")
+def test_prompt_answers_paris_through_the_chat_template(smollm2_path, tmp_path):
+    """`decode.py --prompt` on the instruct model goes through its chat template by default: greedy, the
+    answer names Paris; sampled with the chat defaults, 8 seeds in one --prompts-jsonl run (one process, one
+    compilation), at least 5 name it within 64 tokens (measured: 12 of 16 seeds, 6 of these 8; the misses open in
+    French, "L'Étoile de la Cité ...", which the model weighs almost as high as "The": 0.144 against 0.156)."""
+    proc = run("decode.py", "--policy", "full", "--prompt", "What is the capital of France?", "--max-new-tokens", "24",
+               "--temperature", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert "Paris" in result["text"]
-    for key in ("text", "n_prompt_tokens", "n_generated", "tokens_per_s", "prefill_s", "cache_bytes", "policy"):
+    assert "Paris" in result["text"] and result["chat"] is True
+    for key in ("text", "n_prompt_tokens", "n_generated", "tokens_per_s", "prefill_s", "cache_bytes", "policy", "seed",
+                "sampling", "stop"):
         assert key in result
-    assert result["policy"] == "full" and result["n_generated"] <= 16
-
-
-@pytest.mark.slow
-def test_demo_remembers_the_name_the_window_forgot(smollm2_path):
-    """`decode.py` with no flags (the README's demo): a chat ~2.7x longer than the cache budget, under rsqr with
-    the recall tier on by default; its closing question ("what is my name ...?") is answered with the name
-    given in the first turn. With the recall tier off (`--recall-pages 0`) the same greedy run loses it."""
-    runs = {}
-    for extra in ([], ["--recall-pages", "0"]):
-        proc = run("decode.py", "--json", *extra)
-        assert proc.returncode == 0, proc.stderr
-        runs[bool(extra)] = json.loads(proc.stdout)
-    recall, plain = runs[False], runs[True]
-    assert (recall["policy"], plain["policy"]) == ("rsqr", "rsqr")
-    assert recall["policy_name"].endswith("recall=4)") and "recall" not in plain["policy_name"]
-    assert recall["cache_bytes"]["cold_store"] > 0 and not plain["cache_bytes"].get("cold_store")
-    for r in (recall, plain):
-        assert len(r["replies"]) >= 5 and r["session_tokens"] > 2 * (256 + 4 + 64)
-    assert "Ada" in recall["replies"][-1] and "Ada" not in plain["replies"][-1]
+    assert result["policy"] == "full" and result["n_generated"] <= 24 and result["sampling"]["temperature"] == 0
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "What is the capital of France?", "seed": s}) + "\n" for s in range(8)))
+    proc = run("decode.py", "--prompts-jsonl", str(rows), "--max-new-tokens", "64", "--recall-pages", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    texts = [json.loads(line)["text"] for line in proc.stdout.splitlines()]
+    assert len(texts) == 8 and len(set(texts)) > 1  # sampled: the seeds differ
+    assert sum("Paris" in t for t in texts) >= 5, texts
 
 
 @pytest.mark.slow

@@ -45,6 +45,10 @@ class MemoryDemo:
     def question(self) -> str:
         return self.turns[-1]
 
+    def positions(self, tokenizer, ids: list[int], first_position: int) -> list[int]:
+        """Global positions of the tokens of `ids` (fed from first_position on) that spell a fact."""
+        return [first_position + i for i in fact_token_indices(tokenizer, list(ids), [f.mention for f in self.facts])]
+
     def score(self, answer: str) -> dict[str, bool]:
         """Which facts the answer names (any of each fact's answers, case-insensitive)."""
         low = answer.lower()
@@ -188,17 +192,16 @@ def flag(field: str) -> str:
 
 def check_sampling(values: dict, name: Callable[[str], str] = flag) -> None:
     """One-line ConfigError naming the flag (or `name(field)`) for a sampling value the sampler would refuse."""
-    finite = {k: v for k, v in values.items() if v is not None}
-    for k, v in finite.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"{name(k)} must be a finite number, got {v!r}")
     rules = {"temperature": (lambda v: v >= 0, ">= 0"), "top_k": (lambda v: v >= 0 and v == int(v), "an integer >= 0"),
              "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "min_p": (lambda v: 0 <= v < 1, "in [0, 1)"),
              "repeat_penalty": (lambda v: v > 0, "> 0"),
              "repeat_last_n": (lambda v: v >= 0 and v == int(v), "an integer >= 0")}
-    for k, (ok, what) in rules.items():
-        if k in finite and not ok(finite[k]):
-            raise ConfigError(f"{name(k)} must be {what}, got {finite[k]}")
+    for k, v in values.items():
+        if v is None:
+            continue
+        ok, what = rules.get(k, (lambda v: True, "a number"))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise ConfigError(f"{name(k)} must be {what} and finite, got {v!r}")
 
 
 def resolve_sampling(flags: dict, model_defaults: dict | None = None) -> dict:
@@ -483,8 +486,9 @@ def _find_stop(text: str, stop: tuple[str, ...], start: int) -> int:
 
 
 def generate_reply(session, tokenizer, max_new_tokens: int, stop: tuple[str, ...] = (),
-                   emit: Callable[[str], None] | None = None) -> tuple[str, int, str]:
-    """Generate one reply token by token: (text, tokens generated, stop reason "eos" / "stop" / "length").
+                   emit: Callable[[str], None] | None = None, with_ids: bool = False):
+    """Generate one reply token by token: (text, tokens generated, stop reason "eos" / "stop" / "length"),
+    and with_ids the emitted token ids too (the end-of-sequence one excluded).
 
     Each token is detokenized incrementally and handed to `emit` as soon as it cannot be the start of a stop
     string; a stop string ends the reply (the text is cut before it)."""
@@ -503,7 +507,7 @@ def generate_reply(session, tokenizer, max_new_tokens: int, stop: tuple[str, ...
             at = _find_stop(stream.text, stop, max(0, shown - hold))
             if at >= 0:
                 emit(stream.text[shown:at])
-                return stream.text[:at], n, "stop"
+                return (stream.text[:at], n, "stop") + ((stream.ids,) if with_ids else ())
         safe = len(stream.text) - hold
         if safe > shown:
             emit(stream.text[shown:safe])
@@ -513,7 +517,7 @@ def generate_reply(session, tokenizer, max_new_tokens: int, stop: tuple[str, ...
     if stop and (at := _find_stop(text, stop, max(0, shown - hold))) >= 0:
         text, reason = text[:at], "stop"
     emit(text[shown:])
-    return text, n, reason
+    return (text, n, reason) + ((stream.ids,) if with_ids else ())
 
 
 def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None, out: TextIO | None = None,
@@ -547,10 +551,10 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
         if echo:
             print(f"\n>>> {user_text}", file=out, flush=True)
         ids = feeder.user_turn(user_text) if chat else tok.encode(user_text)
-        if demo is not None and index == 0:
-            base = int(session.cache.t)
-            fact_positions = [base + i for i in fact_token_indices(tok, ids, [f.mention for f in demo.facts])]
-        if demo is not None and user_text == demo.question and fact_positions:
+        asking = demo is not None and user_text == demo.question
+        if demo is not None and not asking:  # every mention of a fact before the question, replies included
+            fact_positions += demo.positions(tok, ids, int(session.cache.t))
+        if asking and fact_positions:
             result.memory = memory_check(session.cache, fact_positions, session.spec.cold_slots > 0)
             status(describe_memory(result.memory))
         t0 = time.perf_counter()
@@ -566,8 +570,13 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
                 print(piece, end="", file=out, flush=True)
 
         t0 = time.perf_counter()
-        text, n, reason = generate_reply(session, tok, config.max_new_tokens, config.stop, emit)
+        first_reply_position = int(session.cache.t)
+        text, n, reason, reply_ids = generate_reply(session, tok, config.max_new_tokens, config.stop, emit,
+                                                    with_ids=True)
         result.decode_s += time.perf_counter() - t0
+        if demo is not None and not asking:
+            fact_positions += demo.positions(tok, reply_ids[:int(session.cache.t) - first_reply_position],
+                                             first_reply_position)
         print(file=out, flush=True)
         result.n_generated += n
         result.replies.append(text)
@@ -575,7 +584,7 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
         if not text.strip():
             status(f"empty reply (stop: {reason}): the model ended the turn at once"
                    + ("" if chat else "; an instruct model may need its chat template (drop --raw)"))
-        if demo is not None and user_text == demo.question and result.memory is not None:
+        if asking and result.memory is not None:
             result.memory["answer_names"] = demo.score(text)
             named = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in result.memory["answer_names"].items())
             status(f"memory check: the answer names {named}")

@@ -41,6 +41,7 @@ class MemoryConfig:
     page_size: int = 16
     prefill_chunk: int = 64
     sampling: tuple[tuple[str, float], ...] = ()
+    history: tuple[str, ...] = ()  # recorded replies to every turn but the question (then only the answer is sampled)
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -49,6 +50,8 @@ class MemoryConfig:
         if self.seeds < 1 or self.max_new_tokens < 1:
             raise ConfigError("--seeds and --max-new-tokens must be >= 1")
         chat.check_sampling(dict(self.sampling))
+        if self.history and len(self.history) != len(chat.DEMO.turns) - 1:
+            raise ConfigError(f"a recorded history needs {len(chat.DEMO.turns) - 1} replies, got {len(self.history)}")
 
     @property
     def sampling_values(self) -> dict:
@@ -68,7 +71,9 @@ def policy_of(arm: str, config: MemoryConfig):
 def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, tokenizer,
             demo: chat.MemoryDemo = chat.DEMO) -> list[dict]:
     """One conversation per seed under `arm`, all streams at once: per seed, the replies, the memory check
-    before the question, which facts the answer names."""
+    (where every earlier mention of a fact is: device cache or cold store), which facts the answer names.
+    With config.history the replies before the question are that recorded transcript (fed, not generated):
+    only the answer is sampled."""
     from rsqr_jax.sampling import Sampling
     from rsqr_jax.spec import CacheSpec, ColdStore
     from rsqr_jax.streams import Request, StreamScheduler
@@ -78,41 +83,66 @@ def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, toke
     cold = ColdStore(config.cold_capacity, config.page_size).spec_kwargs() if recall else {}
     n = config.seeds
     max_len = chat.full_max_len(tokenizer, demo.turns, config.max_new_tokens, demo.system)
+    if config.history:
+        max_len += sum(len(tokenizer.encode(r)) for r in config.history)
     spec = CacheSpec.for_policies(policy, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                   head_dim=model_config.head_dim, max_chunk=config.prefill_chunk, max_len=max_len,
                                   **({**cold, "max_recall_pages": recall} if recall else {}))
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=n, prefill_chunk=config.prefill_chunk,
                             sampling=Sampling(**config.sampling_values), eos_ids=model_config.eos_token_ids,
                             vocab_size=model_config.vocab_size)
-    feeders = [chat.ChatFeed(tokenizer, [{"role": "system", "content": demo.system}]) for _ in range(n)]
+    system = [{"role": "system", "content": demo.system}]
     rows = [{"seed": config.first_seed + i, "replies": [], "stops": []} for i in range(n)]
-    fact_positions: list[list[int]] = [[] for _ in range(n)]
-    for turn_index, turn in enumerate(demo.turns):
-        ids = [f.user_turn(turn) for f in feeders]
-        t_N = np.asarray(sched.cache.t)
-        if turn_index == 0:
-            for i in range(n):
-                fact_positions[i] = [int(t_N[i]) + j for j in
-                                     chat.fact_token_indices(tokenizer, ids[i], [f.mention for f in demo.facts])]
-        if turn == demo.question:
-            for i in range(n):
-                one = _stream(sched.cache, i)
-                rows[i]["memory"] = chat.memory_check(one, fact_positions[i], bool(recall))
+    mentions: list[list[int]] = [[] for _ in range(n)]
+
+    def ask(ids_of: list[list[int]], first: bool) -> list[list[int]]:
+        """Submit one request per stream, run them, record replies; returns each stream's fed reply ids."""
+        t_N = np.asarray(sched.cache.t) - np.asarray(sched.cache.start)
         index_of = {}
         for i in range(n):
-            req = Request(tuple(ids[i]), config.max_new_tokens, config.first_seed + i)
-            index_of[sched.submit(req) if turn_index == 0 else sched.follow_up(i, req)] = i
+            req = Request(tuple(ids_of[i]), config.max_new_tokens, config.first_seed + i)
+            index_of[sched.submit(req) if first else sched.follow_up(i, req)] = i
+        fed = [[] for _ in range(n)]
         for f in sched.run():
             i = index_of[f.index]
-            text = tokenizer.decode([t for t in f.tokens if t not in sched.eos_ids], skip_special_tokens=True)
-            rows[i]["replies"].append(text)
+            fed[i] = [t for t in f.tokens if t not in sched.eos_ids]
+            rows[i]["replies"].append(tokenizer.decode(fed[i], skip_special_tokens=True))
             rows[i]["stops"].append(f.stop)
-            feeders[i].assistant_reply(text)
-    for r in rows:
-        r["answer_names"] = demo.score(r["replies"][-1])
+            rows[i]["reply_start"] = int(t_N[i]) + len(ids_of[i])
+        return fed
+
+    if config.history:  # the recorded conversation, then the question: one request per stream
+        messages = list(system)
+        for turn, reply in zip(demo.turns[:-1], config.history):
+            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        history_ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = history_ids + chat.ChatFeed(tokenizer, messages, text).user_turn(demo.question)
+        for i in range(n):
+            mentions[i] = demo.positions(tokenizer, history_ids, 0)
+        ask([ids] * n, first=True)
+    else:
+        feeders = [chat.ChatFeed(tokenizer, list(system)) for _ in range(n)]
+        for turn_index, turn in enumerate(demo.turns):
+            ids = [f.user_turn(turn) for f in feeders]
+            t_N = np.asarray(sched.cache.t) - np.asarray(sched.cache.start)
+            asking = turn == demo.question
+            if not asking:
+                for i in range(n):
+                    mentions[i] += demo.positions(tokenizer, ids[i], int(t_N[i]))
+            fed = ask(ids, first=turn_index == 0)
+            for i in range(n):
+                feeders[i].assistant_reply(rows[i]["replies"][-1])
+                if not asking:
+                    mentions[i] += demo.positions(tokenizer, fed[i], rows[i]["reply_start"])
+    # Positions already evicted never come back into the device cache, so the check after the answer says
+    # where the earlier mentions were when the question was asked.
     t_N = np.asarray(sched.cache.t) - np.asarray(sched.cache.start)
     for i, r in enumerate(rows):
+        r["answer_names"] = demo.score(r["replies"][-1])
+        r["memory"] = chat.memory_check(_stream(sched.cache, i), mentions[i], bool(recall))
         r["session_tokens"] = int(t_N[i])
+        del r["reply_start"]
     return rows
 
 
