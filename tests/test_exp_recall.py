@@ -28,7 +28,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.testing.oracle import reference_token_sets
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.update import step
-from tests.cli import assert_one_line_errors
+from tests.cli import assert_one_line_errors, run_in_process
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config(layers=4)  # 2 layers barely propagate context into the question's logits
@@ -333,9 +333,10 @@ def test_bad_filler_and_question_length(study, tmp_path):
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
-def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "exp_recall.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env=ENV)
+def _run(*args):
+    """exp_recall.py in this process (tests/cli.py run_in_process: the model loaded once for both runs below;
+    the killed run between them is a real process, SIGTERM and exit code 3 included)."""
+    return run_in_process("exp_recall.py", *args)
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
@@ -352,7 +353,7 @@ def test_cli_bad_input_is_one_line(tmp_path):
 def test_quick_run_sigterm_and_resume(tmp_path, smollm2_path):
     """The --quick run on SmolLM2 (sanity of recall.json and the plot); a run killed by SIGTERM after its first
     arm keeps it (exit 3) and --resume finishes it with the uninterrupted run's records."""
-    proc = _run("--quick", "--no-progress", "--out", str(tmp_path / "fresh"), timeout=900)
+    proc = _run("--quick", "--no-progress", "--out", str(tmp_path / "fresh"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "fresh" / "recall.json").read_text())
     png = tmp_path / "fresh" / "recall.png"
@@ -394,11 +395,11 @@ def test_quick_run_sigterm_and_resume(tmp_path, smollm2_path):
     assert part["complete"] is False and part["arms_done"] == [["pinned", "float32", "full"]], rest
     assert {r["arm"] for r in part["records"]} == {"full"}  # the half-run arm left nothing behind
     assert "--resume" in rest
-    resumed = _run(*subset, "--out", str(out), "--resume", "--json", timeout=900)
+    resumed = _run(*subset, "--out", str(out), "--resume", "--json")
     assert resumed.returncode == 0 and "1 arm(s) done" in resumed.stderr, resumed.stderr[-3000:]
     got = json.loads(resumed.stdout)
     same = lambda rows: [r for r in rows if r["variant"] == "pinned" and r["arm"] in arms]  # noqa: E731
-    assert got["complete"] is True and got["arms_done"] == [a for a in data["arms_done"] if a[0] == "pinned"
-                                                            and a[2] in arms] == [["pinned", "float32", a] for a in arms]
+    done = [a for a in data["arms_done"] if a[0] == "pinned" and a[2] in arms]
+    assert got["complete"] is True and got["arms_done"] == done == [["pinned", "float32", a] for a in arms]
     assert got["records"] == same(data["records"]) and got["summary"] == same(data["summary"])
     assert len(got["records"]) == len(arms) * len(cfg["cycles"]) * cfg["trials"]

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.cli import REPO, assert_one_line_error, run_script
+from tests.cli import REPO, assert_one_line_error, run_in_process, run_script
 
 TASKS = str(REPO / "tests" / "data" / "lm_eval_task")
 LIMIT = 1  # per task: 1 question x 4 choices, 1 generation, 1 document (the real model is slow on CPU)
@@ -50,9 +50,10 @@ def _evaluate(lm, tasks="rsqr_smoke"):
 
 @pytest.mark.slow
 def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smollm2_path, smollm2_hf_model):
-    # Our model through the command line (--json, --log_samples, --output_path).
+    # Our model through the command line (--json, --log_samples, --output_path), in this process (one model
+    # load for the whole test; lm_eval.py runs as its own process in test_bad_input_one_line_errors).
     out = tmp_path / "full"
-    proc = run_script("lm_eval.py", "--policy", "full", "--model", smollm2_path, "--tasks", "rsqr_smoke",
+    proc = run_in_process("lm_eval.py", "--policy", "full", "--model", smollm2_path, "--tasks", "rsqr_smoke",
                       "--include_path", TASKS, "--limit", str(LIMIT), "--output_path", str(out), "--log_samples",
                       "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
