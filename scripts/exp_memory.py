@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The memory demo over many sampled seeds: full vs rsqr vs rsqr + recall, each fact scored in the answer.
 
-    python scripts/exp_memory.py --seeds 20 --out runs/memory        # ~15 min on 2 CPU cores
+    python scripts/exp_memory.py --seeds 20 --out runs/memory        # every reply sampled (about 1 h on 2 CPU cores)
+    python scripts/exp_memory.py --seeds 20 --history tests/data/memory_history.json --out runs/memory_history
+                                          # a recorded conversation, only the answer sampled (about 10 min)
     python scripts/exp_memory.py --quick                              # 2 seeds, CI smoke
 """
 
@@ -21,6 +23,9 @@ def main() -> int:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most")
     p.add_argument("--temperature", type=float, default=None, help="default: decode.py's chat default")
+    p.add_argument("--history", default=None, metavar="JSON",
+                   help="replay the recorded replies of JSON ({\"replies\": [...]}, one per turn but the question) "
+                        "and sample only the answer")
     p.add_argument("--quick", action="store_true", help="2 seeds, 48 tokens per reply")
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/memory.json and DIR/memory.md")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -29,9 +34,11 @@ def main() -> int:
     args = p.parse_args()
     check_model_args(args)
     sampling = (("temperature", args.temperature),) if args.temperature is not None else ()
+    history = M.read_history(args.history) if args.history else ()
+    M.check_history(history)  # before the model loads
     cfg = M.MemoryConfig(arms=tuple(a for a in args.arms.split(",") if a), seeds=2 if args.quick else args.seeds,
                          first_seed=args.first_seed, max_new_tokens=48 if args.quick else args.max_new_tokens,
-                         sampling=sampling)
+                         sampling=sampling, history=history)
     loaded, apply_fn, params = load_model_from_args(args)
     result = M.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:

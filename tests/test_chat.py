@@ -7,6 +7,7 @@ real model (slow), that --cache-dtype reaches the CacheSpec while the weights st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -373,13 +374,16 @@ class ScriptedSession:
 class IdTokenizer:
     """ids index a small alphabet (reversible, unlike CharTokenizer, and inside the tiny vocabulary)."""
 
-    ALPHABET = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:?!\n-"
+    ALPHABET = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:?!\n-<>/"
 
     def encode(self, text, add_special_tokens=True):
         return [self.ALPHABET.index(c) for c in text]
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(self.ALPHABET[i % len(self.ALPHABET)] for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return CharTokenizer.apply_chat_template(self, messages, tokenize, add_generation_prompt)
 
 
 def test_generate_reply_stops_on_eos_on_a_stop_string_and_at_the_length():
@@ -462,3 +466,36 @@ def test_prompts_jsonl_rows_carry_their_own_sampling_and_seed(tmp_path):
     with pytest.raises(ConfigError, match='line 2: "top_p" must be in \\(0, 1\\]'):
         chat.read_prompts_jsonl(_jsonl(tmp_path, [{"prompt": "a"}, {"prompt": "b", "top_p": 0}], name="bad.jsonl"),
                                 max_new_tokens=4, chat=False)
+
+
+def test_memory_measurement_streams_equal_lone_sessions_and_track_the_facts():
+    """exp_memory's runner on the tiny model: each seed's conversation, continued turn after turn on its own
+    stream (StreamScheduler.follow_up), gives the replies chat.run gives on a lone Session (greedy); the facts'
+    mentions are found (first turn) and, before the question, out of rsqr's device cache; a recorded history
+    replays the same conversation with only the answer generated."""
+    from rsqr_jax.experiments import memory as M
+    from rsqr_jax.sampling import Sampling
+    from rsqr_jax.spec import CacheSpec
+
+    tok = IdTokenizer()
+    demo = chat.MemoryDemo("be brief", ("I am Ada.", "a b c d e f g h i j k", "l m n o p q r s", "who am I?"),
+                           (chat.Fact("name", "Ada", ("Ada",)),))
+    cfg = M.MemoryConfig(arms=("rsqr",), seeds=2, max_new_tokens=3, window=8, n_sink=2, delta=3, max_survivors=3,
+                         prefill_chunk=CHUNK, sampling=(("temperature", 0.0), ("repeat_last_n", 8)))
+    apply_fn, params = model()
+    rows = M.run_arm("rsqr", cfg, apply_fn, params, CFG, tok, demo=demo)
+    pol = M.policy_of("rsqr", cfg)
+    spec = CacheSpec.for_policies(pol, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
+                                  head_dim=CFG.head_dim, max_chunk=CHUNK)
+    alone = Session(apply_fn, params, spec, pol, prefill_chunk=CHUNK, sampling=Sampling(**cfg.sampling_values))
+    lone = chat.run(chat.ChatConfig(demo.turns, chat=True, max_new_tokens=3, system=demo.system), alone, tok,
+                    status=lambda m: None)
+    assert [r["replies"] for r in rows] == [lone.replies] * 2  # greedy: both seeds alike
+    assert rows[0]["memory"]["fact_positions"] and rows[0]["memory"]["in_device_cache"] == 0
+    assert rows[0]["session_tokens"] == alone.n_tokens
+    replay = M.run_arm("rsqr", dataclasses.replace(cfg, history=tuple(lone.replies[:-1])), apply_fn, params, CFG,
+                       tok, demo=demo)
+    assert replay[0]["memory"]["fact_positions"] == rows[0]["memory"]["fact_positions"]
+    assert len(replay[0]["replies"]) == 1 and "answer_names" in replay[0]
+    table = M.summarize({"rsqr": rows}, demo)
+    assert table[0]["n"] == 2 and table[0]["facts_out_of_device_cache"] == 2

@@ -12,6 +12,7 @@ and cold store, so the table says whether a remembered fact came from the device
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -50,12 +51,28 @@ class MemoryConfig:
         if self.seeds < 1 or self.max_new_tokens < 1:
             raise ConfigError("--seeds and --max-new-tokens must be >= 1")
         chat.check_sampling(dict(self.sampling))
-        if self.history and len(self.history) != len(chat.DEMO.turns) - 1:
-            raise ConfigError(f"a recorded history needs {len(chat.DEMO.turns) - 1} replies, got {len(self.history)}")
 
     @property
     def sampling_values(self) -> dict:
         return chat.resolve_sampling(dict(self.sampling))
+
+
+def read_history(path: str) -> tuple[str, ...]:
+    """The recorded replies of a JSON file {"replies": [str, ...]} (ConfigError, one line, otherwise)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            replies = json.load(f)["replies"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot read a recorded history from {path}: {e}") from None
+    if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
+        raise ConfigError(f"{path}: \"replies\" must be a list of strings")
+    return tuple(replies)
+
+
+def check_history(history: tuple[str, ...], demo: chat.MemoryDemo = chat.DEMO) -> None:
+    if history and len(history) != len(demo.turns) - 1:
+        raise ConfigError(f"a recorded history needs {len(demo.turns) - 1} replies (one per turn but the question), "
+                          f"got {len(history)}")
 
 
 def policy_of(arm: str, config: MemoryConfig):
@@ -78,6 +95,7 @@ def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, toke
     from rsqr_jax.spec import CacheSpec, ColdStore
     from rsqr_jax.streams import Request, StreamScheduler
 
+    check_history(config.history, demo)
     policy = policy_of(arm, config)
     recall = ARMS[arm][1]
     cold = ColdStore(config.cold_capacity, config.page_size).spec_kwargs() if recall else {}
