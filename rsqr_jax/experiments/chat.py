@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -50,9 +51,8 @@ class MemoryDemo:
         return [first_position + i for i in fact_token_indices(tokenizer, list(ids), [f.mention for f in self.facts])]
 
     def score(self, answer: str) -> dict[str, bool]:
-        """Which facts the answer names (any of each fact's answers, case-insensitive)."""
-        low = answer.lower()
-        return {f.label: any(a.lower() in low for a in f.answers) for f in self.facts}
+        """Which facts the answer names (any of each fact's answers as a whole word, case-insensitive)."""
+        return {f.label: any(_word(a).search(answer) for a in f.answers) for f in self.facts}
 
 
 DEMO = MemoryDemo(
@@ -160,16 +160,19 @@ def token_char_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
+def _word(w: str) -> "re.Pattern":
+    """`w` as a whole word, case-insensitive ("Ada" does not match "Canada" or "Adam")."""
+    return re.compile(rf"(?<!\w){re.escape(w)}(?!\w)", re.IGNORECASE)
+
+
 def fact_token_indices(tokenizer, ids: list[int], words: Iterable[str]) -> list[int]:
-    """Indices into `ids` of the tokens that spell any of `words` (every occurrence)."""
+    """Indices into `ids` of the tokens that spell any of `words` as a whole word (every occurrence)."""
     text = tokenizer.decode(ids, skip_special_tokens=False)
     spans = token_char_spans(tokenizer, ids)
     out = set()
     for w in words:
-        at = text.find(w)
-        while at >= 0:
-            out.update(i for i, (s, e) in enumerate(spans) if s < at + len(w) and e > at)
-            at = text.find(w, at + 1)
+        for m in _word(w).finditer(text):
+            out.update(i for i, (s, e) in enumerate(spans) if s < m.end() and e > m.start())
     return sorted(out)
 
 
