@@ -302,7 +302,7 @@ def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Arra
 
     Returns the cache (only K/V arrays change: dynamic-update-slices of the scan carry, in place under
     jit), this layer's kernel segments (win_k, win_v, seg_k, seg_v), each [B, Hkv, N, D], and with a cold
-    store this layer's page summaries (`_write_cold`; None without one).
+    store readers of this layer's page summaries (`_write_cold`; None without one).
     """
     wr, up = plan.writes, plan.upkeep
     dt = _logical_dtype(cache.win_k)
@@ -361,13 +361,13 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
     the stored key stays raw. A restarted page's summary starts afresh.
 
-    Returns the cache and this layer's updated summaries (sum, lo, hi), each [B, Hkv, pages, D], and a reader
-    of its scoring copy of the keys, slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise), which recall
-    scores. The
-    layer's summary is read once, updated at the chunk's pages and written back whole: had recall
-    read the [L, ...] buffer after a scatter into it, XLA's fusion inside the generation loop would keep
-    the pre-scatter buffer alive and copy all layers' summaries twice per layer (5.7 GB per token for
-    SmolLM2 with a 64k-token store)."""
+    Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
+    of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
+    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise). Every write is a scatter at the chunk's
+    slots and pages into the [L, ...] buffer, in place; every read a gather from it (never a slice of the
+    layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
+    5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
+    back cost a slice, two copies and a write of it per layer and step, the store empty or not)."""
     wr = plan.writes
     at = (layer, slice(None), slice(None), wr.cold_slot_C)
     cold_k = _set(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
@@ -375,17 +375,20 @@ def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv
     rot_BxHxCxD = _rotate_BxHxNxD(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
     n_pages = cache.cold_sum.shape[3]
     # Out-of-range pages (tokens not stored) are dropped: reset the pages the chunk starts, then combine.
-    restart = (slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
-    page = (slice(None), slice(None), wr.cold_page_C)
+    restart = (layer, slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
+    page = (layer, slice(None), slice(None), wr.cold_page_C)
+    rot_CxBxHxD = jnp.moveaxis(rot_BxHxCxD, 2, 0)
+    B = cache.cold_sum.shape[1]
+    all_pages = jnp.broadcast_to(jnp.arange(n_pages, dtype=jnp.int32), (B, n_pages))
 
     def summarize(buf, reset, combine):
-        mine = buf[layer].at[restart].set(reset, mode="drop")
-        mine = getattr(mine.at[page], combine)(rot_BxHxCxD, mode="drop")
-        return buf.at[layer].set(mine), mine
+        buf = getattr(buf.at[restart].set(reset, mode="drop").at[page], combine)(rot_CxBxHxD, mode="drop")
+        return buf, lambda: _layer_slots(buf, layer, all_pages)
 
     cold_sum, layer_sum = summarize(cache.cold_sum, 0.0, "add")
     out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
-    lo, hi, glob = cache.cold_lo[layer], cache.cold_hi[layer], None
+    lo = hi = lambda: jnp.zeros(cache.cold_lo.shape[1:], cache.cold_lo.dtype)  # noqa: E731  (no Quest pages)
+    glob = None
     if cache.cold_lo.shape[3]:
         (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
                                                       summarize(cache.cold_hi, -jnp.inf, "max"))
@@ -423,8 +426,9 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         return attend(*plain), cache
 
     def with_recall():  # the recall tier (rsqr_jax.recall)
-        rec = recalled_tokens(q_BxCxHqxD, lambda slots: _gather_slots(cache, layer, slots), *summaries,
-                              plan.next.cold_pos, rc, ka.surv_valid_S, inv_freq)
+        read_sum, read_lo, read_hi, glob = summaries
+        rec = recalled_tokens(q_BxCxHqxD, lambda slots: _gather_slots(cache, layer, slots), read_sum(), read_lo(),
+                              read_hi(), glob, plan.next.cold_pos, rc, ka.surv_valid_S, inv_freq)
         return attend(*extend_raw_segment(*plain, rc, *rec))
 
     if not rc.score_block:  # every page scored at every step, the store empty or not

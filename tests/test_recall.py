@@ -579,13 +579,23 @@ def test_the_generation_loop_copies_no_whole_store(score):
     apply_fn, params = _model(0)
     dec = rj.Decoder(apply_fn, spec, fixed_policy=engine.policy_values(pol))
     cache = jax.eval_shape(dec.init_cache)  # compiled, never allocated
-    hlo = engine._generate.lower(dec, params, cache, pol, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0),
-                                 jnp.float32(0), jnp.float32(1), jnp.int32(4), jnp.asarray([-1], jnp.int32)
-                                 ).compile().as_text()
+    hlo = engine._generate.lower(dec, params, cache, pol, jnp.zeros((1,), jnp.int32),
+                                 dec.sampler_state(jax.random.PRNGKey(0), 1), dec._values(Sampling()), jnp.int32(4),
+                                 jnp.asarray([-1], jnp.int32)).compile().as_text()
     L, H, D, n = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, spec.cold_slots
     whole = [f"f32[{L},1,{H},{n // 16},{D}]", f"f32[{L},1,{H},{n},{D}]"]
     copies = [ln for ln in hlo.splitlines() if " copy(" in ln and any(f"= {w}" in ln for w in whole)]
     assert f"{whole[0]}" in hlo and not copies, copies
+    # Nor does any step, the store empty or not, read or write one layer's summaries (or scoring copy) whole:
+    # outside the recall branch (the conditional's true branch), the computation that calls it touches only
+    # the chunk's pages and slots (reading a layer's summary whole and writing it back cost a slice, two
+    # copies and a write of it per layer and step, with nothing to recall).
+    layer = [f"f32[1,{H},{n // 16},{D}]", f"f32[1,1,{H},{n // 16},{D}]", f"f32[1,{H},{n},{D}]", f"f32[1,1,{H},{n},{D}]"]
+    comps = hlo.split("\n}\n")
+    callers = [c for c in comps if " conditional(" in c and whole[0] in c]
+    whole_layer = [ln.strip()[:160] for c in callers for ln in c.splitlines()
+                   if any(f"= {w}" in ln for w in layer) and "parameter(" not in ln]
+    assert callers and not whole_layer, whole_layer
 
 
 @pytest.mark.parametrize("score", ["mean", "shortlist"])
