@@ -9,6 +9,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 from rsqr_jax.experiments import ppl, streams
 from rsqr_jax.experiments.common import ConfigError
 from rsqr_jax.experiments.ppl import PplConfig
-from tests.cli import assert_one_line_errors, run_in_process
+from tests.cli import assert_one_line_errors
 from tests.tiny_stream import load, write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,10 +204,10 @@ def test_recall_arm_rides_in_the_vmapped_cell(tmp_path):
     assert result.data["config"]["cold"]["capacity"] == 64
 
 
-def run_script(*args):
-    """exp_ppl.py in this process (tests/cli.py run_in_process: the real model loaded once for the test run);
-    test_cli_errors_are_one_line runs the script as __main__ of a fresh interpreter."""
-    return run_in_process("exp_ppl.py", *args)
+def run_script(*args, timeout=600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_ppl.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_cli_errors_are_one_line(tmp_path):

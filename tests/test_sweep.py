@@ -22,7 +22,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
 from rsqr_jax.sweep import policy_grid, summarize, sweep_nll
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
-from tests.cli import assert_one_line_error, run_in_process, run_scripts
+from tests.cli import assert_one_line_error, run_scripts
 
 CFG = tiny_config()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,11 +211,9 @@ def test_sweep_cli_bad_input(sweep_cli, args, fragment):
 
 @pytest.mark.slow
 def test_sweep_cli_real_model_writes_every_output(tmp_path, smollm2_path):
-    # In this process (tests/cli.py run_in_process: the real model loaded once for the test run); the
-    # --processes test below runs sweep.py as its own process.
-    proc = run_in_process("sweep.py", "--grid", "mode=rsqr,streamingllm window=16 delta=4 max_survivors=8",
-                          "--tokens", "40", "--segment", "16", "--bucket", "16", "--devices", "1",
-                          "--out", str(tmp_path), "--no-progress", "--json")
+    proc = _cli("--grid", "mode=rsqr,streamingllm window=16 delta=4 max_survivors=8", "--tokens", "40",
+                "--segment", "16", "--bucket", "16", "--devices", "1", "--out", str(tmp_path), "--no-progress",
+                "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
