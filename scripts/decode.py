@@ -96,42 +96,6 @@ def sampling_flags(args) -> dict:
     return {k: getattr(args, k) for k in SAMPLING_FIELDS}
 
 
-def describe_cache(spec, policy) -> str:
-    """The cache as the user asked for it (not the internal slot counts), and its memory."""
-    from rsqr_jax.spec import host_policies
-
-    h = host_policies(policy)[0]
-    parts = spec.bytes_by_part(policy)
-    if policy.name.startswith("full"):
-        shape = f"full attention, {spec.win_capacity} positions"
-    else:
-        shape = f"window {h['window']}" + (f" (+{h['block'] - 1} block)" if h["block"] > 1 else "")
-        if h["n_sink"]:
-            shape += f", {h['n_sink']} sinks"
-        if h["delta"]:
-            shape += f", {h['max_survivors']} survivors (every {h['delta']}th evicted token)"
-        if h["recall_pages"]:
-            shape += (f", recall {h['recall_pages']} pages of {spec.page_size} from a "
-                      f"{spec.cold_capacity}-token cold store")
-    mib = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items() if k != "total" and v >= 2**19)
-    return f"cache: {shape}; {parts['total'] / 2**20:.1f} MiB ({mib})"
-
-
-def describe_sampling(values: dict, seed: int) -> str:
-    if values["temperature"] == 0:
-        text = "greedy"
-    else:
-        text = (f"temperature {values['temperature']:g}, top-k {values['top_k']}, top-p {values['top_p']:g}, "
-                f"min-p {values['min_p']:g}")
-    pen = [f"repeat penalty {values['repeat_penalty']:g}" if values["repeat_penalty"] != 1 else "",
-           f"presence {values['presence_penalty']:g}" if values["presence_penalty"] else "",
-           f"frequency {values['frequency_penalty']:g}" if values["frequency_penalty"] else ""]
-    pen = [x for x in pen if x]
-    if pen and values["repeat_last_n"]:
-        text += f", {' and '.join(pen)} over the last {values['repeat_last_n']} tokens"
-    return f"sampling: {text}; seed {seed} (repeat with --seed {seed})"
-
-
 def main() -> int:
     from rsqr_jax.experiments import chat
 
@@ -225,8 +189,8 @@ def main() -> int:
         spec, is_chat, system = session.spec, bool(header["extra"].get("chat")), None
         values, seed = session.sampling.to_json(), session.seed
         status(f"resumed {args.resume}: {session.n_tokens} tokens so far")
-    status(describe_cache(spec, policy))
-    status(describe_sampling(values, seed))
+    status(chat.describe_cache(spec, policy))
+    status(chat.describe_sampling(values, seed))
     status("compiling the prefill and decode steps for this cache (once per configuration) ...")
     session.warmup()
     status(f"compiled in {session.compile_s:.1f}s")
@@ -292,7 +256,7 @@ def main_jsonl(args) -> int:
     values = chat.resolve_sampling(sampling_flags(args),
                                    load_generation_defaults(args.model if args.model else default_model_path()))
     seed = chat.draw_seed() if args.seed is None else args.seed
-    status(describe_sampling(values, seed))
+    status(chat.describe_sampling(values, seed))
     chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
     max_len = chat.streams_max_len(tok, lines, args.max_len or cfg.max_position_embeddings)
     spec = CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,

@@ -236,6 +236,42 @@ def draw_seed() -> int:
     return secrets.randbelow(2**32)
 
 
+def describe_cache(spec, policy) -> str:
+    """The cache as the user asked for it (not the internal slot counts), and its memory."""
+    from rsqr_jax.spec import host_policies
+
+    h = host_policies(policy)[0]
+    parts = spec.bytes_by_part(policy)
+    if policy.name.startswith("full"):
+        shape = f"full attention, {spec.win_capacity} positions"
+    else:
+        shape = f"window {h['window']}" + (f" (+{h['block'] - 1} block)" if h["block"] > 1 else "")
+        if h["n_sink"]:
+            shape += f", {h['n_sink']} sinks"
+        if h["delta"]:
+            shape += f", {h['max_survivors']} survivors (every {h['delta']}th evicted token)"
+        if h["recall_pages"]:
+            shape += (f", recall {h['recall_pages']} pages of {spec.page_size} from a "
+                      f"{spec.cold_capacity}-token cold store")
+    mib = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items() if k != "total" and v >= 2**19)
+    return f"cache: {shape}; {parts['total'] / 2**20:.1f} MiB" + (f" ({mib})" if mib else "")
+
+
+def describe_sampling(values: dict, seed: int) -> str:
+    if values["temperature"] == 0:
+        text = "greedy"
+    else:
+        text = (f"temperature {values['temperature']:g}, top-k {values['top_k']}, top-p {values['top_p']:g}, "
+                f"min-p {values['min_p']:g}")
+    pen = [f"repeat penalty {values['repeat_penalty']:g}" if values["repeat_penalty"] != 1 else "",
+           f"presence {values['presence_penalty']:g}" if values["presence_penalty"] else "",
+           f"frequency {values['frequency_penalty']:g}" if values["frequency_penalty"] else ""]
+    pen = [x for x in pen if x]
+    if pen and values["repeat_last_n"]:
+        text += f", {' and '.join(pen)} over the last {values['repeat_last_n']} tokens"
+    return f"sampling: {text}; seed {seed} (repeat with --seed {seed})"
+
+
 def check_dtype(flag_name: str, value: str | None, allowed: tuple[str, ...] = DTYPES) -> None:
     if value is not None and value not in allowed:
         raise ConfigError(f"{flag_name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
