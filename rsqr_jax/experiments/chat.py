@@ -73,7 +73,6 @@ DEMO = MemoryDemo(
     ),
     facts=(Fact("name", "Ada", ("Ada",)), Fact("place", "Bristol", ("Bristol",))),
 )
-DEMO_TURNS = DEMO.turns
 
 DTYPES = ("float32", "bfloat16")
 
