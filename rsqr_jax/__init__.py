@@ -1,20 +1,42 @@
 """rsqr_jax: exact, cheap bounded KV caches for streaming LLMs (RSQR and every rival policy), in JAX.
 
 The public API (see README.md): policies as data, the cache spec and pytree, the one decode engine,
-sessions, streaming NLL and vmapped sweeps.
+sessions, sampling, streaming NLL and vmapped sweeps. Names resolve on first use (PEP 562), so importing a
+subpackage (the kernels, the command-line plumbing) does not import the whole engine.
+
+Layout by kind (docs/design.md, "Layout"): this package's modules are the core; `kernels` the fused
+attention (lowest layer); `models` the Flax decoders and loaders; `eval` reusable evaluation (streaming
+perplexity, statistics, the request harness, the lm-eval model); `cli` the command-line applications and
+their plumbing; `studies` the experiments and benchmarks; `devtools` the GPU checks; `testing` tiny models
+and float64 oracles.
 """
 
-from rsqr_jax.cache import KVCache, init_cache, init_policy_cache
-from rsqr_jax.engine import Decoder, stream_nll
-from rsqr_jax.policy import (MODES, Policy, PolicyError, full, leave_gaps, make_policy, replay, rerotate, rsqr,
-                             rsqr_precompute, stack_policies, streamingllm, unstack_policies, window)
-from rsqr_jax.sampling import Sampling
-from rsqr_jax.session import Session, SessionFileError
-from rsqr_jax.spec import CacheSpec, ColdStore, validate
-from rsqr_jax.sweep import make_mesh, policy_grid, summarize, sweep_nll
+from __future__ import annotations
 
-__all__ = ["CacheSpec", "ColdStore", "Decoder", "KVCache", "MODES", "Policy", "PolicyError", "Sampling", "Session",
-           "SessionFileError",
-           "full", "init_cache", "init_policy_cache", "leave_gaps", "make_mesh", "make_policy", "policy_grid",
-           "replay", "rerotate", "rsqr", "rsqr_precompute", "stack_policies", "stream_nll", "streamingllm",
-           "summarize", "sweep_nll", "unstack_policies", "validate", "window"]
+import importlib
+
+_EXPORTS = {
+    "rsqr_jax.cache": ["KVCache", "init_cache", "init_policy_cache"],
+    "rsqr_jax.engine": ["Decoder", "stream_nll"],
+    "rsqr_jax.policy": ["MODES", "Policy", "PolicyError", "full", "leave_gaps", "make_policy", "replay", "rerotate",
+                        "rsqr", "rsqr_precompute", "stack_policies", "streamingllm", "unstack_policies", "window"],
+    "rsqr_jax.sampling": ["Sampling"],
+    "rsqr_jax.session": ["Session", "SessionFileError"],
+    "rsqr_jax.spec": ["CacheSpec", "ColdStore", "validate"],
+    "rsqr_jax.sweep": ["make_mesh", "policy_grid", "summarize", "sweep_nll"],
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rsqr_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.survivor_attention import survivor_attention, survivor_attention_reference, survivor_attention_xla
+from rsqr_jax.kernels.survivor_attention import survivor_attention, survivor_attention_reference, survivor_attention_xla
 
 KERNELS = ("xla", "pallas", "auto", "reference")
 

@@ -17,7 +17,7 @@ test of the update and drops the branches that policy never takes (what a Sessio
 `vmap_streams` runs N independent streams (one policy) over a cache with a leading stream axis [N]: each
 stream has its own positions, length and rng; `feed_streams` / `generate_streams` (a scheduler over them:
 rsqr_jax.streams) take a per-stream n_valid / token budget, so streams join and leave without a recompile;
-`score_streams` / `advance_streams` score each stream's own request (rsqr_jax.harness.StreamsEngine).
+`score_streams` / `advance_streams` score each stream's own request (rsqr_jax.eval.harness.StreamsEngine).
 rsqr_jax stays model-agnostic: the model comes in as `apply_fn(params, tokens_BxC, cache, plan)`.
 
 Sampling (rsqr_jax.sampling): the functions that pick tokens take a `SamplerState` (the rng key and the ring

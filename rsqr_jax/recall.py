@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.rope import rope_cos_sin, rotate_half_split
+from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split
 from rsqr_jax.policy import order_index
 
 

@@ -1,6 +1,6 @@
 """RoPE for the model side: inverse frequencies from a config (default, linear, llama3) and rotation.
 
-Angles come from pallas_kernels.rope, which reduces them exactly in integer arithmetic, so window
+Angles come from rsqr_jax.kernels.exact_rope, which reduces them exactly in integer arithmetic, so window
 keys rotated at huge global positions stay exact in endless streams.
 """
 
@@ -12,7 +12,7 @@ import math
 import jax
 import numpy as np
 
-from pallas_kernels.rope import rope_angles, rope_cos_sin, rotate_half_split
+from rsqr_jax.kernels.exact_rope import rope_angles, rope_cos_sin, rotate_half_split
 
 __all__ = ["RopeScaling", "inverse_frequencies", "rope_angles", "rope_cos_sin", "rotate_half_split", "apply_rope"]
 

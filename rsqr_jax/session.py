@@ -198,7 +198,7 @@ class Session:
     def save(self, path: str | os.PathLike, identity: dict, *, extra: dict | None = None) -> None:
         """Write the whole session state to `path` atomically (see the module docstring for the format).
 
-        identity: a JSON-serializable dict naming the model (e.g. models.llama.LoadedModel.identity);
+        identity: a JSON-serializable dict naming the model (e.g. rsqr_jax.models.llama.LoadedModel.identity);
         `load` refuses the file for any other identity. extra: replaces `self.extra` if given.
         Raises SessionFileError (one line) if the file cannot be written; the old file, if any, is intact.
         """

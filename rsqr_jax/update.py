@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.rope import rope_cos_sin, rotate_half_split
+from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split
 from rsqr_jax import attention
 from rsqr_jax import policy as P
 from rsqr_jax import recall as _recall

@@ -4,7 +4,7 @@
 plain (the floor), rsqr with S/N = 1/8 and 1/2 (the jnp reference and the lean XLA path), streamingllm
 (cos/sin table, and through the contract). Prints tables and writes JSON ({"meta", "rows", "table_md"};
 one row per (batch, N) with ms / cpu_ms / ratio / ratio_cpu per path). The logic and the path
-descriptions are rsqr_jax.experiments.bench_attention.
+descriptions are rsqr_jax.studies.kernel_timing.
 
     python scripts/bench_attention.py                 # default run (~minutes on 2 cores)
     python scripts/bench_attention.py --quick         # tiny sanity run
@@ -18,15 +18,15 @@ import json
 import sys
 import time
 
-from _common import REPO_ROOT, Parser, run_main
+from rsqr_jax.cli.args import Parser, run_main
 
-from rsqr_jax.experiments import bench_attention as X
+from rsqr_jax.studies import kernel_timing as X
 
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    p.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_attention.json"), help="JSON file to write")
+    p.add_argument("--out", default="runs/bench_attention.json", help="JSON file to write")
     p.add_argument("--budget", type=float, default=None, help="seconds of timed rounds per (N, batch)")
     p.add_argument("--max-n-batch16", type=int, default=32768, help="largest N run at batch 16")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
@@ -35,8 +35,8 @@ def build_parser() -> Parser:
     return p
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     before = X.load_result(args.before) if args.before else None
     config = X.BenchAttentionConfig(quick=args.quick, budget_s=args.budget, max_n_batch16=args.max_n_batch16)
     t0 = time.time()

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 
-from _common import Parser, add_model_args, check_model_args, load_model_from_args, run_main
+from rsqr_jax.cli.args import Parser, add_model_args, check_model_args, load_model_from_args, run_main
 
 
-def main() -> int:
-    from rsqr_jax.experiments import bench_chat as B
+def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax.studies import chat_timing as B
 
     d = B.BenchChatConfig()
     p = Parser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]))
@@ -40,7 +40,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the tables")
     p.add_argument("--no-progress", action="store_true", help="(no progress bars here)")
     add_model_args(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_model_args(args)
     cfg = B.BenchChatConfig(args.prompt, args.system, new_tokens=args.new_tokens, rounds=args.rounds, seed=args.seed,
                             window=args.window, n_sink=args.sinks, delta=args.delta, max_survivors=args.max_survivors,

@@ -2,7 +2,7 @@
 """Decode speed: our jitted Session against HF transformers (torch eager, float32, same weights), one run.
 
 Both sides prefill a prompt that leaves C tokens cached, then decode --new greedy tokens, timed; compile
-time is reported apart (rsqr_jax.experiments.bench_decode). HF's model holds our very arrays.
+time is reported apart (rsqr_jax.studies.decode_timing). HF's model holds our very arrays.
 
     python scripts/bench_decode.py                          # full, C = 128 1024 2048, 50 new tokens
     python scripts/bench_decode.py --policy rsqr --delta 8 --max-survivors 64
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-from _common import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_model_args, load_model_from_args,
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_model_args, load_model_from_args,
                      run_main)
 
 
@@ -47,8 +47,8 @@ def build_parser() -> Parser:
     return p
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     check_model_args(args)
     if args.single_thread:  # before jax starts its thread pools
         # XLA:CPU (jax 0.10) ignores --xla_cpu_multi_thread_eigen=false / intra_op_parallelism_threads=1: a
@@ -56,8 +56,8 @@ def main() -> int:
         # thread either side starts, so both really run on one core.
         args.threads = 1
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    from rsqr_jax.experiments import bench_decode as B
-    from rsqr_jax.experiments.common import ConfigError, status
+    from rsqr_jax.studies import decode_timing as B
+    from rsqr_jax.eval.runtime import ConfigError, status
 
     config = B.BenchConfig(text=args.text, cached=tuple(args.cached), new=args.new, repeats=args.repeats,
                            prefill_chunk=args.prefill_chunk, threads=args.threads, single_thread=args.single_thread,

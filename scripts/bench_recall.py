@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 
-from _common import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load_model_from_args, run_main
+from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load_model_from_args, run_main
 
 
-def main() -> int:
-    from rsqr_jax.experiments import bench_recall as B
+def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax.studies import recall_timing as B
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--text", default=str(DEFAULT_TEXT))
@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="(no progress bars here)")
     add_model_args(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_model_args(args)
     try:
         sizes = tuple(int(x) for x in args.cold_sizes.split(","))

@@ -8,14 +8,14 @@
                                                                  # prefill-first vs interleaved, longest stall
 
 Prints a table (the ratio of each row to 1 stream); writes DIR/bench_streams.json and bench_streams.md
-(--out DIR, '' = nothing); --json prints the JSON on stdout. The loop: rsqr_jax/experiments/bench_streams.py.
+(--out DIR, '' = nothing); --json prints the JSON on stdout. The loop: rsqr_jax/studies/streams_timing.py.
 """
 
 from __future__ import annotations
 
 import json
 
-from _common import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_model_args, load_model_from_args,
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_model_args, load_model_from_args,
                      run_main, status)
 
 
@@ -39,10 +39,10 @@ def build_parser() -> Parser:
     return p
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     check_model_args(args)
-    from rsqr_jax.experiments import bench_streams as B
+    from rsqr_jax.studies import streams_timing as B
 
     config = B.BenchStreamsConfig(text=args.text, streams=tuple(args.streams), prompt_len=args.prompt_len,
                                   new=args.new, repeats=args.repeats, prefill_chunk=args.prefill_chunk,

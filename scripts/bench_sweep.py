@@ -4,7 +4,7 @@
 Both arms stream the same tokens through the same engine (the vmapped arm via rsqr_jax.sweep.sweep_nll,
 the sequential arm one policy at a time with the same union CacheSpec, so it compiles once too), each in
 its own subprocess (this script with --arm), so its peak RSS is its own; compilation is excluded. Prints
-a table and writes DIR/bench_sweep.json (--out DIR). The logic is rsqr_jax.experiments.bench_sweep.
+a table and writes DIR/bench_sweep.json (--out DIR). The logic is rsqr_jax.studies.sweep_timing.
 
     python scripts/bench_sweep.py                  # SmolLM2-135M, 256 tokens of Frankenstein (~minutes)
     python scripts/bench_sweep.py --tokens 512
@@ -18,9 +18,9 @@ import json
 import os
 import sys
 
-from _common import DEFAULT_TEXT, REPO_ROOT, Parser, UsageError, run_main
+from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, run_main
 
-from rsqr_jax.experiments import bench_sweep as X
+from rsqr_jax.studies import sweep_timing as X
 
 
 def build_parser() -> Parser:
@@ -33,7 +33,7 @@ def build_parser() -> Parser:
     p.add_argument("--segment", type=int, default=None, help="tokens per jitted call (default 128; --quick 32)")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--quick", action="store_true", help="tiny random model, short stream")
-    p.add_argument("--out", default=str(REPO_ROOT / "runs"), help=f"output directory (writes {X.JSON_NAME})")
+    p.add_argument("--out", default="runs", help=f"output directory (writes {X.JSON_NAME})")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--arm", choices=X.ARMS, default=None, help=argparse.SUPPRESS)  # the child process
@@ -42,13 +42,13 @@ def build_parser() -> Parser:
 
 def run_child(config: X.BenchSweepConfig, arm: str) -> None:
     """Load the model in this process and run one arm; print its result as one JSON line."""
-    from rsqr_jax.experiments.sweep import load_tokens, quick_model
+    from rsqr_jax.studies.policy_sweep import load_tokens, quick_model
 
     if config.quick:
         apply_fn, params, model_config, name = quick_model(config.dtype)
         tokenizer = None
     else:
-        from models.llama import load_model, split_apply
+        from rsqr_jax.models.llama import load_model, split_apply
 
         loaded = load_model(config.model, config.dtype)
         (apply_fn, params), model_config = split_apply(loaded.model), loaded.config
@@ -58,8 +58,8 @@ def run_child(config: X.BenchSweepConfig, arm: str) -> None:
     print(json.dumps(X.run_arm(config, arm, apply_fn, params, model_config, tokens, name)))
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.model is not None and not os.path.exists(args.model):
         raise UsageError(f"model not found: {args.model}")
     config = X.BenchSweepConfig.make(quick=args.quick, grid=args.grid, tokens=args.tokens, segment=args.segment,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Experiment 1, "Drift": error of keys rotated again and again (`rerotate`) against one
 rotation from raw (`rsqr` / `streamingllm`), at the key, attention and model level (what each level
-measures: rsqr_jax/experiments/drift.py).
+measures: rsqr_jax/studies/drift.py).
 
     python scripts/exp_drift.py --quick --out /tmp/drift_quick     # CI smoke run (< 3 min)
     nice -n 10 python scripts/exp_drift.py --out runs/exp_drift     # full run (~17 min on 2 busy cores)
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import DEFAULT_TEXT, Parser, UsageError, run_main
+from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, run_main
 
 
 def build_parser():
@@ -44,8 +44,8 @@ def build_parser():
 def capture_fn(loaded, info: dict, n_check: int = 64):
     """capture_qk(tokens) for the experiment; records how far the capture's logits are from the model's
     own forward pass (forward_logits) on the first n_check tokens."""
-    from models.capture import capture_qk
-    from models.llama import forward_logits
+    from rsqr_jax.models.capture import capture_qk
+    from rsqr_jax.models.llama import forward_logits
 
     def capture(tokens_T):
         q, k, logits = capture_qk(loaded.model, tokens_T)
@@ -59,8 +59,8 @@ def capture_fn(loaded, info: dict, n_check: int = 64):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from rsqr_jax.experiments import drift
-    from rsqr_jax.experiments.common import read_tokens, status
+    from rsqr_jax.studies import drift
+    from rsqr_jax.eval.runtime import read_tokens, status
 
     out_dir = Path(args.out)
     cmd = "python scripts/exp_drift.py" + (" --quick" if args.quick else "") + f" --out {args.out}"
@@ -79,8 +79,8 @@ def main(argv=None) -> int:
 
         import jax.numpy as jnp
 
-        from models.capture import weights_of
-        from models.llama import Llama, load_model, split_apply
+        from rsqr_jax.models.capture import weights_of
+        from rsqr_jax.models.llama import Llama, load_model, split_apply
 
         loaded = load_model(args.model, "float32")
         cfg = loaded.config

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 
-from _common import (DEFAULT_TEXT, Parser, add_model_args, check_model_args, cold_store_flags, load_model_from_args,
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model_args, cold_store_flags, load_model_from_args,
                      run_main)
 
 
-def main() -> int:
-    from rsqr_jax.experiments import fact_probe as F
+def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax.studies import fact_probe as F
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text (default: Frankenstein)")
@@ -33,7 +33,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--no-progress", action="store_true")
     add_model_args(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_model_args(args)
     cold = cold_store_flags(args)
     cfg = F.FactConfig(args.filler, trials=2 if args.quick else args.trials,

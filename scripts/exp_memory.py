@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 
-from _common import Parser, add_model_args, check_model_args, load_model_from_args, run_main
+from rsqr_jax.cli.args import Parser, add_model_args, check_model_args, load_model_from_args, run_main
 
 
-def main() -> int:
-    from rsqr_jax.experiments import memory as M
+def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax.studies import memory as M
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", default=",".join(M.ARMS), help="comma-separated: " + ", ".join(M.ARMS))
@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="accepted for the common convention")
     add_model_args(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_model_args(args)
     sampling = (("temperature", args.temperature),) if args.temperature is not None else ()
     history = M.read_history(args.history) if args.history else ()

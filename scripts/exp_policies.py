@@ -10,7 +10,7 @@ Runs (rank/global policies streamed token by token, chunk 1; each dtype's batch 
   * full, float32, chunk 256 (chunked prefill is exact for full);
   * float32 batch: window (0+W), streamingllm (N+W), rsqr delta=0, rsqr, rerotate block 1;
   * bfloat16 batch: rsqr, rerotate block 1.
-The float32 oracle is rsqr float32 with the same parameters (rsqr_jax.experiments.policies).
+The float32 oracle is rsqr float32 with the same parameters (rsqr_jax.studies.policy_table).
 Writes OUT/exp_policies.json (summary, checks, timings) + OUT/exp_policies.md (tables) + OUT/nll_*.npy;
 prints the tables (or, with --json, the JSON object).
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 
-from _common import DEFAULT_TEXT, Parser, run_main
+from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, run_main
 
 
 def build_parser() -> Parser:
@@ -46,17 +46,17 @@ def build_parser() -> Parser:
 
 
 def load(dtype: str):
-    from models.llama import load_model, split_apply
-    from rsqr_jax.experiments.streams import Model
+    from rsqr_jax.models.llama import load_model, split_apply
+    from rsqr_jax.eval.perplexity import Model
 
     lm = load_model(None, dtype)
     return Model(*split_apply(lm.model), lm.config, lm.tokenizer, dtype, lm.path)
 
 
-def main() -> int:
-    from rsqr_jax.experiments import policies
+def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax.studies import policy_table as policies
 
-    args = build_parser().parse_args()
+    args = build_parser().parse_args(argv)
     if args.rescore:
         result, out_dir = policies.rescore(args.rescore), args.rescore
     else:

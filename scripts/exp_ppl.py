@@ -9,7 +9,7 @@
 Default grid: float32 W=256 4096 tokens, float32 W=1024 3072, bfloat16 W=256 2048 and W=1024 1536
 (--cell-tokens); bfloat16 cells run streamingllm, rerotate (block 1 and 8), rsqr, rsqr_precompute.
 Per (W, dtype) cell the token-by-token policies stream in ONE vmapped call; full runs once per dtype with
-chunked prefill; replay runs alone (rsqr_jax.experiments.ppl). SIGTERM/Ctrl-C keeps the finished pieces
+chunked prefill; replay runs alone (rsqr_jax.studies.ppl). SIGTERM/Ctrl-C keeps the finished pieces
 (exit code 3). Writes OUT/exp_ppl.json, OUT/exp_ppl.md, nll_*.npy and a PNG of the per-1k-token curves;
 prints the tables (or, with --json, the JSON object).
 """
@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 
-from _common import DEFAULT_TEXT, Parser, UsageError, add_recall_args, cold_store_from_args, run_main
+from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, add_recall_args, cold_store_from_args, run_main
 
 
 def build_parser() -> Parser:
-    from rsqr_jax.experiments.ppl import ALL, BF16_DEFAULT, DEFAULT, DEFAULT_CELL_TOKENS
+    from rsqr_jax.studies.ppl import ALL, BF16_DEFAULT, DEFAULT, DEFAULT_CELL_TOKENS
 
     cell_default = ",".join(f"{w}/{d}={n}" for (w, d), n in DEFAULT_CELL_TOKENS.items())
     p = Parser(description=__doc__.splitlines()[0])
@@ -87,7 +87,7 @@ def _cell_tokens(s: str | None) -> dict | None:
 
 
 def config_from_args(args):
-    from rsqr_jax.experiments.ppl import PplConfig
+    from rsqr_jax.studies.ppl import PplConfig
 
     from rsqr_jax.spec import ColdStore
 
@@ -104,18 +104,18 @@ def config_from_args(args):
 
 
 def load(dtype: str):
-    from models.llama import load_model, split_apply
-    from rsqr_jax.experiments.streams import Model
+    from rsqr_jax.models.llama import load_model, split_apply
+    from rsqr_jax.eval.perplexity import Model
 
     lm = load_model(None, dtype)
     return Model(*split_apply(lm.model), lm.config, lm.tokenizer, dtype, lm.path)
 
 
-def main() -> int:
-    from rsqr_jax.experiments import ppl
-    from rsqr_jax.experiments.common import sigterm_interrupts
+def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax.studies import ppl
+    from rsqr_jax.eval.runtime import sigterm_interrupts
 
-    args = build_parser().parse_args()
+    args = build_parser().parse_args(argv)
     if args.merge and not args.rescore:
         raise UsageError("--merge needs --rescore DIR (the run the cells are added to)")
     if args.rescore:

@@ -6,23 +6,23 @@
     python scripts/exp_recall.py --trials 100 --batch 50 --out runs/exp_recall_100   # docs/recall.md tables 1-3
     python scripts/exp_recall.py ... --resume       # continue a killed run (it keeps every finished arm; exit 3)
 
-The protocol is described in rsqr_jax/experiments/recall.py (and written to recall.json under "protocol").
+The protocol is described in rsqr_jax/studies/recall_probe.py (and written to recall.json under "protocol").
 """
 
 from __future__ import annotations
 
 import json
 
-from _common import (DEFAULT_TEXT, REPO_ROOT, Parser, add_model_args, add_recall_args, check_model_args,
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_recall_args, check_model_args,
                      cold_store_flags, run_main)
 
-from rsqr_jax.experiments import recall
+from rsqr_jax.studies import recall_probe as recall
 
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 4 trials, cycles 2,4, float32, one cache spec")
-    p.add_argument("--out", default=str(REPO_ROOT / "runs" / "exp_recall"), help="output directory")
+    p.add_argument("--out", default="runs/exp_recall", help="output directory")
     p.add_argument("--json", action="store_true", help="print recall.json's object on stdout instead of the tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text file (default: Frankenstein)")
@@ -79,8 +79,8 @@ def show(result: recall.RecallResult, as_json: bool) -> None:
     print(json.dumps(result.data) if as_json else result.tables())
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.from_json:
         result = recall.RecallResult.from_json(args.from_json)
         if not args.no_plot:
@@ -91,7 +91,7 @@ def main() -> int:
     cfg = config_from_args(args)
     previous = recall.preflight(cfg, args.out, resume=args.resume)
 
-    from models.llama import load_model, split_apply
+    from rsqr_jax.models.llama import load_model, split_apply
 
     models, path = {}, None
     for dtype in cfg.dtypes:

@@ -7,7 +7,7 @@
     python scripts/exp_reproduce.py --parts p2 --p2-arms C_rsqr_two_scale --resume --out runs/repro_p2  # add an arm
 
 The published model (Qwen2.5-0.5B-Instruct) is not available offline: the runs use SmolLM2-135M-Instruct.
-The protocol is described in rsqr_jax/experiments/reproduce.py; results go to OUT/reproduce.json and
+The protocol is described in rsqr_jax/studies/reproduce.py; results go to OUT/reproduce.json and
 OUT/reproduce.md.
 """
 
@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 
-from _common import DEFAULT_TEXT, REPO_ROOT, Parser, UsageError, add_model_args, check_model_args, run_main
+from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, add_model_args, check_model_args, run_main
 
-from rsqr_jax.experiments import reproduce as R
+from rsqr_jax.studies import reproduce as R
 
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="CI smoke run: a tiny random model with the real tokenizer, 2 trials, every arm once")
-    p.add_argument("--out", default=str(REPO_ROOT / "runs" / "exp_reproduce"), help="output directory")
+    p.add_argument("--out", default="runs/exp_reproduce", help="output directory")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--parts", default="p1,p2,factorial", help="any of p1, p2, factorial (comma-separated)")
@@ -77,16 +77,16 @@ def config_from_args(args) -> R.ReproConfig:
 
 
 def load(args) -> R.ReproModel:
-    from models.llama import load_model, split_apply
-    from models.loading import load_tokenizer
-    from rsqr_jax.experiments.reproduce_arms import explicit_attend
+    from rsqr_jax.models.llama import load_model, split_apply
+    from rsqr_jax.models.loading import load_tokenizer
+    from rsqr_jax.studies.reproduce_arms import explicit_attend
 
     if args.quick:  # a tiny random model over the real tokenizer's vocabulary: exercises every path in seconds
         import dataclasses
 
         import jax.numpy as jnp
 
-        from models.llama import Llama
+        from rsqr_jax.models.llama import Llama
         from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
         tok = load_tokenizer(args.model)
@@ -100,8 +100,8 @@ def load(args) -> R.ReproModel:
     return R.ReproModel(apply_fn, explicit_fn, params, cfg, tok)
 
 
-def main() -> int:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.from_json:
         print(R.markdown(R.merge_results(_names(args.from_json))))
         return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the fused kernel in three phases, each its own process, timeout and JSON file
-# (rsqr_jax/experiments/gpu_check.py): gate <= 90 s, correctness <= 120 s, timing <= 180 s.
+# (rsqr_jax/devtools/gpu_check.py): gate <= 90 s, correctness <= 120 s, timing <= 180 s.
 #     bash scripts/gpu_check.sh                  # on the GPU machine; results in $OUT (default runs/gpu_check)
 #     bash scripts/gpu_check.sh --cpu-dry-run    # tiny sizes, interpret=True, CPU (a test runs this)
 # Files in $OUT: gate.json, correctness.json, timing.json (rewritten after every row), gpu_check.log,
@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
 
 phase() {  # phase NAME TIMEOUT_S
   local t0=$SECONDS rc
-  timeout -k 5 "$2" "$PY" scripts/gpu_check.py --phase "$1" --out "$OUT" "${DRY[@]}" 2>&1 | tee -a "$LOG"
+  timeout -k 5 "$2" "$PY" -m rsqr_jax.devtools.gpu_check --phase "$1" --out "$OUT" "${DRY[@]}" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   echo "gpu_check: phase $1 exit status $rc ($((SECONDS - t0)) s of $2)" | tee -a "$LOG"
   return "$rc"

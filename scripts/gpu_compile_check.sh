@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # H200 compile check of the fused kernel on a machine without a GPU (docs/kernel.md, "GPU / H200"):
 #     bash scripts/gpu_compile_check.sh [--root DIR] [compile_report flags: --only a,b  --json  --list]
-# Checks the kernel of DIR (default: the current directory if it holds pallas_kernels/, else this repo),
+# Checks the kernel of DIR (default: the current directory if it holds rsqr_jax/kernels/, else this repo),
 # so another checkout checks its own kernel with `cd WT && bash /path/to/scripts/gpu_compile_check.sh`.
 #  1. builds (once; a stamp file names the pins) a Python 3.12 venv with the device's jax/jaxlib 0.11.2
 #     and pip Triton 3.6.0 (its ptxas compiles for sm_90a; no CUDA plugin, no torch, no project install:
 #     the checked root goes on PYTHONPATH) at $RSQR_H200_VENV (default: .venv-h200 in this repo);
-#  2. runs pallas_kernels/compile_report.py: registers / spills / shared memory per configuration,
+#  2. runs rsqr_jax/devtools/compile_report.py: registers / spills / shared memory per configuration,
 #     a table + $OUT_DIR/compile_report.json (default DIR/runs/gpu_compile); exit 1 on spills in DEFAULT;
 #  3. runs the export test of tests/test_survivor_attention.py under that jax (it runs under the CPU
 #     venv's jax in the test suite), unless RSQR_H200_EXPORT_TEST=0.
@@ -17,13 +17,13 @@ ROOT=""
 if [ "${1:-}" = "--root" ]; then
   [ $# -ge 2 ] || { echo "gpu_compile_check: error: --root needs a directory" >&2; exit 2; }
   ROOT="$2"; shift 2
-elif [ -f "$PWD/pallas_kernels/survivor_attention.py" ]; then
+elif [ -f "$PWD/rsqr_jax/kernels/survivor_attention.py" ]; then
   ROOT="$PWD"
 else
   ROOT="$TOOL"
 fi
-[ -f "$ROOT/pallas_kernels/survivor_attention.py" ] || {
-  echo "gpu_compile_check: error: $ROOT has no pallas_kernels/survivor_attention.py" >&2; exit 2; }
+[ -f "$ROOT/rsqr_jax/kernels/survivor_attention.py" ] || {
+  echo "gpu_compile_check: error: $ROOT has no rsqr_jax/kernels/survivor_attention.py" >&2; exit 2; }
 ROOT="$(cd "$ROOT" && pwd)"
 VENV="${RSQR_H200_VENV:-$TOOL/.venv-h200}"
 PINS="jax==0.11.2 jaxlib==0.11.2 triton==3.6.0 numpy pytest"  # the device image's jax and Triton
@@ -54,8 +54,8 @@ OUT_DIR="${OUT_DIR:-$ROOT/runs/gpu_compile}"
 cd "$ROOT"
 export PYTHONPATH="$ROOT" JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 t0=$SECONDS
-# -P: the report's own folder stays off sys.path, so pallas_kernels is ROOT's
-timeout -k 10 900 "$VENV/bin/python" -P "$TOOL/pallas_kernels/compile_report.py" --out "$OUT_DIR" "$@"
+# ROOT on PYTHONPATH: the report and the kernel it compiles are ROOT's
+timeout -k 10 900 "$VENV/bin/python" -m rsqr_jax.devtools.compile_report --out "$OUT_DIR" "$@"
 rc_report=$?
 echo "gpu_compile_check: report exit status $rc_report ($((SECONDS - t0)) s, $OUT_DIR/compile_report.json)" >&2
 case " $* " in *" --list "*) exit "$rc_report" ;; esac

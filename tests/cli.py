@@ -31,8 +31,7 @@ def run_scripts(cases, timeout: int = 600) -> list[subprocess.CompletedProcess]:
     run_script case per script so the real process (interpreter exit code, a fresh import) stays tested."""
     cases = [(c[0], list(c[1]), c[2] if len(c) > 2 else None) for c in cases]
     payload = json.dumps([{"path": str(REPO / "scripts" / s), "args": a, "stdin": i} for s, a, i in cases])
-    # The scripts import their shared module as `_common` (python puts a script's directory first on sys.path).
-    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), ENV["PYTHONPATH"]])}
+    env = ENV
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "results.json"
         proc = subprocess.run([sys.executable, "-m", "tests.script_driver", str(result_file)], input=payload,
@@ -46,13 +45,10 @@ def run_scripts(cases, timeout: int = 600) -> list[subprocess.CompletedProcess]:
 def run_in_process(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """`python scripts/<script> args...` as __main__ in THIS process (tests/script_driver.py run_case: own argv,
     stdin, captured output, the exit code a process would return): no interpreter, jax import or model load
-    of its own (models.llama.load_model keeps what it loaded), and the compilations of earlier runs stay in
+    of its own (rsqr_jax.models.llama.load_model keeps what it loaded), and the compilations of earlier runs stay in
     this process's caches. For runs whose real-process behaviour (signals, a fresh import) is tested elsewhere."""
     from tests.script_driver import run_case
 
-    scripts = str(REPO / "scripts")
-    if scripts not in sys.path:  # the scripts import their shared module as `_common`
-        sys.path.insert(0, scripts)
     r = run_case(str(REPO / "scripts" / script), list(args), stdin)
     return subprocess.CompletedProcess([sys.executable, str(REPO / "scripts" / script), *args], r["returncode"],
                                        r["stdout"], r["stderr"])

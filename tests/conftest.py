@@ -71,14 +71,14 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def smollm2_config(smollm2_path):
-    from models.loading import load_config
+    from rsqr_jax.models.loading import load_config
 
     return load_config(smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def smollm2_weights(smollm2_path, smollm2_config):
-    from models.loading import load_weights
+    from rsqr_jax.models.loading import load_weights
 
     return load_weights(smollm2_path, smollm2_config)
 
@@ -87,6 +87,6 @@ def smollm2_weights(smollm2_path, smollm2_config):
 def smollm2_hf_model(smollm2_path):
     """transformers' own float32 loading of the same GGUF (independent dequantization and q/k un-permutation)."""
     pytest.importorskip("torch")
-    from rsqr_jax.testing.hf import hf_gguf_model
+    from rsqr_jax.testing.hf_reference import hf_gguf_model
 
     return hf_gguf_model(smollm2_path)

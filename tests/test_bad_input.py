@@ -169,8 +169,8 @@ def test_resume_with_a_plain_session_rejects_chat(cli, files):
 
 
 def test_cache_too_large_and_a_session_of_another_model_are_refused_before_loading(tmp_path, smollm2_path):
-    from models.llama import LoadedModel
-    from models.loading import load_config
+    from rsqr_jax.models.llama import LoadedModel
+    from rsqr_jax.models.loading import load_config
 
     real = LoadedModel(load_config(smollm2_path), None, str(smollm2_path), "float32").identity
     s = make_session("rsqr")

@@ -1,4 +1,4 @@
-"""rsqr_jax.experiments.bench_attention in-process: the --quick run's layout and its ratios, and the timed
+"""rsqr_jax.studies.kernel_timing in-process: the --quick run's layout and its ratios, and the timed
 paths computing what they claim (stream == stream through the contract, ref == xla == the float64 oracle).
 Inputs are seeded (config.seed = 0; make_cases below: seed 1)."""
 
@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from rsqr_jax.experiments import bench_attention as X
-from rsqr_jax.experiments.common import ConfigError
+from rsqr_jax.studies import kernel_timing as X
+from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.testing.kernel import oracle_f64, rel_err, rope_inv_freq
 
 

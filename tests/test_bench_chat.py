@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from rsqr_jax.experiments import bench_chat as B
-from rsqr_jax.experiments.common import ConfigError
+from rsqr_jax.studies import chat_timing as B
+from rsqr_jax.eval.runtime import ConfigError
 from tests.tiny_session import CFG, model
 
 

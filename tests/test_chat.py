@@ -1,4 +1,4 @@
-"""rsqr_jax.experiments.chat (the loop behind scripts/decode.py) on the tiny model, and decode.py's dtype flags.
+"""rsqr_jax.cli.chat (the loop behind scripts/decode.py) on the tiny model, and decode.py's dtype flags.
 
 In-process tests use the tiny random model of tests/tiny_session.py (seed 0) and a character tokenizer;
 the subprocess tests check the one-line errors of the new flags (before any model is loaded) and, on the
@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from rsqr_jax.experiments import chat
-from rsqr_jax.experiments.common import ConfigError
+from rsqr_jax.cli import chat
+from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.session import Session
 from tests.cli import assert_one_line_error, run_scripts
 from tests.cli import run_script as run
@@ -473,7 +473,7 @@ def test_memory_measurement_streams_equal_lone_sessions_and_track_the_facts():
     stream (StreamScheduler.follow_up), gives the replies chat.run gives on a lone Session (greedy); the facts'
     mentions are found (first turn) and, before the question, out of rsqr's device cache; a recorded history
     replays the same conversation with only the answer generated."""
-    from rsqr_jax.experiments import memory as M
+    from rsqr_jax.studies import memory as M
     from rsqr_jax.sampling import Sampling
     from rsqr_jax.spec import CacheSpec
 

@@ -1,4 +1,4 @@
-"""pallas_kernels.compile_report (the H200 compile check, scripts/gpu_compile_check.sh).
+"""rsqr_jax.devtools.compile_report (the H200 compile check, scripts/gpu_compile_check.sh).
 
 The report itself needs the Python 3.12 venv with jax 0.11.2 and pip Triton. CI (.ci/run) runs the check
 before the suite and points RSQR_COMPILE_REPORT at its JSON: the last test checks that report instead of
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pallas_kernels import compile_report as cr
+from rsqr_jax.devtools import compile_report as cr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def _report() -> dict:
     venv = Path(os.environ.get("RSQR_H200_VENV", ROOT / ".venv-h200"))
     if not (venv / "bin" / "python").exists() or not list(venv.glob(".rsqr-h200-*")):
         pytest.skip("no H200 compile venv here (bash scripts/gpu_compile_check.sh builds it; CI runs it)")
-    res = subprocess.run([str(venv / "bin" / "python"), "-P", str(ROOT / "pallas_kernels" / "compile_report.py"),
+    res = subprocess.run([str(venv / "bin" / "python"), "-P", str(ROOT / "rsqr_jax.kernels" / "compile_report.py"),
                           "--only", "window_only_bf16", "--json"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}, timeout=300)
     assert res.returncode in (0, 1), res.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Experiment 1 (drift): rsqr_jax.experiments.drift in-process on the tiny random model (every property the
+"""Experiment 1 (drift): rsqr_jax.studies.drift in-process on the tiny random model (every property the
 experiment is about), the capture of q/k against the decoder, the rotation counts against the engine's own
 step plan, and one slow smoke run of `scripts/exp_drift.py --quick` on SmolLM2-135M with the same checks.
 """
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rsqr_jax.experiments import drift
-from rsqr_jax.experiments.common import ConfigError
+from rsqr_jax.studies import drift
+from rsqr_jax.eval.runtime import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 0  # tiny weights, random key set and token ids
@@ -133,8 +133,8 @@ def check_all(res):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from models.capture import capture_qk
-    from models.llama import Llama, split_apply
+    from rsqr_jax.models.capture import capture_qk
+    from rsqr_jax.models.llama import Llama, split_apply
     from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
     cfg = tiny_config()
@@ -206,9 +206,9 @@ def test_tiny_files_replot_and_partial_rerun(tiny, tiny_run, tmp_path):
 
 
 def test_capture_is_the_decoder_forward(tiny):
-    """models.capture runs the decoder's own layer recipe: its logits are the model's full-attention logits."""
-    from models.capture import capture_qk
-    from models.llama import LoadedModel, forward_logits, rms_norm
+    """rsqr_jax.models.capture runs the decoder's own layer recipe: its logits are the model's full-attention logits."""
+    from rsqr_jax.models.capture import capture_qk
+    from rsqr_jax.models.llama import LoadedModel, forward_logits, rms_norm
 
     cfg, _, model, _, _ = tiny
     tokens = np.random.default_rng(SEED).integers(0, cfg.vocab_size, 40)
@@ -261,7 +261,7 @@ def _rotation_policy(mode, kw):
 @pytest.mark.parametrize("mode,kw", ROTATION_POLICIES)
 def test_rotation_counts_match_the_step_plan(mode, kw):
     """The token-set rotation counts equal what the engine's own plan does to the stored keys."""
-    from rsqr_jax.experiments.drift_model import rotation_counts
+    from rsqr_jax.studies.drift_model import rotation_counts
 
     pol = _rotation_policy(mode, kw)
     T = 40
@@ -308,6 +308,6 @@ def test_script_quick_smollm2(smollm2_path, tmp_path):
     assert res["config"]["quick"] is True
     for name in ("drift_keys.png", "drift_grid.png", "drift_pairs.png", "drift_attention.png", "drift_model.png"):
         assert (tmp_path / name).is_file() and 0 < (tmp_path / name).stat().st_size < 200_000, name
-    # The capture (models.capture) agrees with the library's model forward.
+    # The capture (rsqr_jax.models.capture) agrees with the library's model forward.
     assert res["capture_check_max_abs_logits"] < 1e-3
     check_all(res)

@@ -1,4 +1,4 @@
-"""The policy table (rsqr_jax.experiments.policies): in process on the tiny model (seed tests/tiny_stream.SEED)
+"""The policy table (rsqr_jax.studies.policy_table): in process on the tiny model (seed tests/tiny_stream.SEED)
 — every run, the checks, rescore — and on crafted NLL; one slow smoke run of `scripts/exp_policies.py
 --quick --no-hf --no-bf16` on SmolLM2-135M (~1 min on 2 cores): rsqr with delta=0 is streamingllm (docs/design.md
 §4, equivalence 1) and dropping the attention sinks hurts."""
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rsqr_jax.experiments import policies
-from rsqr_jax.experiments.common import ConfigError
-from rsqr_jax.experiments.policies import PoliciesConfig
+from rsqr_jax.studies import policy_table as policies
+from rsqr_jax.eval.runtime import ConfigError
+from rsqr_jax.studies.policy_table import PoliciesConfig
 from tests.tiny_stream import load, write_text
 
 ROOT = Path(__file__).resolve().parent.parent

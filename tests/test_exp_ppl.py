@@ -1,4 +1,4 @@
-"""Streaming perplexity per bucket (rsqr_jax.experiments.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
+"""Streaming perplexity per bucket (rsqr_jax.studies.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
 — JSON shape, per-bucket curves, plot, exact policies agreeing, interruption, rescore, merge; one slow smoke
 run of `scripts/exp_ppl.py --quick` on SmolLM2-135M (~1.5 min on 2 cores) for the sanity bounds."""
 
@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rsqr_jax.experiments import ppl, streams
-from rsqr_jax.experiments.common import ConfigError
-from rsqr_jax.experiments.ppl import PplConfig
+from rsqr_jax.studies import ppl
+from rsqr_jax.eval import perplexity as streams
+from rsqr_jax.eval.runtime import ConfigError
+from rsqr_jax.studies.ppl import PplConfig
 from tests.cli import assert_one_line_errors
 from tests.tiny_stream import load, write_text
 

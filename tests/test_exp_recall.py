@@ -1,4 +1,4 @@
-"""rsqr_jax.experiments.recall: scoring helpers, facts files, the replay short-stream shortcut, the layout
+"""rsqr_jax.studies.recall_probe: scoring helpers, facts files, the replay short-stream shortcut, the layout
 diagnostics and the Decoder's greedy answers (tiny random model), a whole study in-process with its
 interruption and resume, the CLI error contract, and the --quick run with SIGTERM/--resume on SmolLM2 (slow)."""
 
@@ -22,8 +22,9 @@ import pytest
 from rsqr_jax import engine
 from rsqr_jax import policy as P
 from rsqr_jax.engine import Decoder
-from rsqr_jax.experiments import recall as er
-from rsqr_jax.experiments.common import ConfigError, wilson
+from rsqr_jax.studies import recall_probe as er
+from rsqr_jax.eval.runtime import ConfigError
+from rsqr_jax.eval.stats import wilson
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.testing.oracle import reference_token_sets
 from rsqr_jax.testing.tiny import tiny_config, tiny_model

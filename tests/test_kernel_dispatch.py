@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, split_apply
+from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec

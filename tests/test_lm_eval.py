@@ -1,4 +1,4 @@
-"""lm-evaluation-harness model (models/lm_eval_model.py, scripts/lm_eval.py) on the shipped local task group
+"""lm-evaluation-harness model (rsqr_jax/eval/lm_eval_model.py, scripts/eval_tasks.py) on the shipped local task group
 (tests/data/lm_eval_task: multiple choice, generation, rolling perplexity), offline.
 
 With policy=full every loglikelihood equals lm-eval's own `hf` backend on transformers' loading of the same
@@ -65,8 +65,8 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
     # lm-eval's own hf backend on transformers' loading of the same GGUF, same tokenizer.
     from lm_eval.models.huggingface import HFLM
 
-    from models.llama import load_model, split_apply
-    from models.lm_eval_model import RsqrLM
+    from rsqr_jax.models.llama import load_model, split_apply
+    from rsqr_jax.eval.lm_eval_model import RsqrLM
     from rsqr_jax import engine as E
 
     loaded = load_model(smollm2_path)
@@ -114,8 +114,8 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
 def test_bad_input_one_line_errors():
     assert_one_line_error(run_script("lm_eval.py", "--tasks", "rsqr_facts", "--no_such_flag", "1"),
                           "unrecognized arguments: --no_such_flag")
-    from models.lm_eval_model import RsqrLM
-    from rsqr_jax.experiments.common import ConfigError
+    from rsqr_jax.eval.lm_eval_model import RsqrLM
+    from rsqr_jax.eval.runtime import ConfigError
 
     with pytest.raises(ConfigError, match="unknown model argument 'windw'"):
         RsqrLM.from_model_args("policy=rsqr,windw=64")
@@ -130,7 +130,7 @@ def test_sequential_engine_scores_equal_stream_nll_on_a_tiny_model():
     the continuation's positions, for rsqr whose 8-token window the 40-token requests overflow (full is
     checked against lm-eval's hf backend above). Tiny random model, random tokens (seed 11)."""
     from rsqr_jax.engine import stream_nll
-    from rsqr_jax.harness import SequentialEngine
+    from rsqr_jax.eval.harness import SequentialEngine
     from rsqr_jax.policy import make_policy
     from rsqr_jax.spec import CacheSpec
     from rsqr_jax.testing.tiny import tiny_config, tiny_model

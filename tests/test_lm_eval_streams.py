@@ -1,4 +1,4 @@
-"""rsqr_jax.harness.StreamsEngine (the many-streams engine behind lm-eval's --batch_size > 1) against
+"""rsqr_jax.eval.harness.StreamsEngine (the many-streams engine behind lm-eval's --batch_size > 1) against
 SequentialEngine (one request at a time, itself checked against stream_nll and lm-eval's hf backend):
 the same scores and greedy flags, the same greedy generations, and one compilation of each function
 however many requests join and leave the slots. Tiny random model, random token ids (seed printed)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rsqr_jax import engine as E
-from rsqr_jax.harness import GenerateRequest, SequentialEngine, StreamsEngine
+from rsqr_jax.eval.harness import GenerateRequest, SequentialEngine, StreamsEngine
 from rsqr_jax.policy import make_policy
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.testing.tokenizer import ByteTokenizer
@@ -90,12 +90,12 @@ def test_lm_eval_builtin_tasks_through_include_yaml_same_with_streams(model):
 
     from lm_eval.utils import simple_parse_args_string
 
-    from models.lm_eval_model import RsqrLM, check_model_args
+    from rsqr_jax.eval.lm_eval_model import RsqrLM, check_model_args
 
     pieces = (*model, CFG, _Tokenizer(CFG.vocab_size))
     # the first test's engines (so their compilations are reused): rsqr W=8 against passages of ~8k bytes
     args = "policy=rsqr,window=8,sinks=2,delta=3,max_survivors=4,chunk=8,max_length=64,gen_block=4,max_gen_toks=8"
-    # batch_size as scripts/lm_eval.py hands it over: a string, through check_model_args
+    # batch_size as scripts/eval_tasks.py hands it over: a string, through check_model_args
     lms = [RsqrLM.from_model_args(args, pieces=pieces),
            RsqrLM.from_model_args(check_model_args({**simple_parse_args_string(args), "batch_size": "2"}),
                                   pieces=pieces)]

@@ -1,4 +1,4 @@
-"""models.loading: configs, canonical weights, q/k un-permutation, tokenizer, and one-line load errors."""
+"""rsqr_jax.models.loading: configs, canonical weights, q/k un-permutation, tokenizer, and one-line load errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import hf_fixtures
-from models.config import ModelConfig, ModelLoadError
-from models.loading import canonical_shapes, default_model_path, load_config, load_tokenizer, load_weights
+from rsqr_jax.models.config import ModelConfig, ModelLoadError
+from rsqr_jax.models.loading import canonical_shapes, default_model_path, load_config, load_tokenizer, load_weights
 
 
 def _assert_one_line_error(excinfo, *needles: str):

@@ -1,6 +1,6 @@
 """Our decoder vs transformers (torch, float32, full attention, positions 0..T-1).
 
-Uses `models.llama.forward_logits(path_or_loaded, token_ids[B, T]) -> float32 logits [B, T, V]`.
+Uses `rsqr_jax.models.llama.forward_logits(path_or_loaded, token_ids[B, T]) -> float32 logits [B, T, V]`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ PROMPT_TEXT = (
 
 
 def _forward_logits(path_or_loaded, token_ids: np.ndarray) -> np.ndarray:
-    from models.llama import forward_logits  # the decoder under test
+    from rsqr_jax.models.llama import forward_logits  # the decoder under test
 
     out = np.asarray(forward_logits(path_or_loaded, token_ids))
     assert out.dtype == np.float32, out.dtype
@@ -41,7 +41,7 @@ def test_tiny_parity_with_transformers(tiny_hf_dirs, name):
 
 @pytest.fixture(scope="module")
 def smollm2_prompt_ids(smollm2_path):
-    from models.loading import load_tokenizer
+    from rsqr_jax.models.loading import load_tokenizer
 
     ids = load_tokenizer(smollm2_path)(PROMPT_TEXT, add_special_tokens=False).input_ids
     assert len(ids) >= 64

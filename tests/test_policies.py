@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.llama import Llama, split_apply
+from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
@@ -164,7 +164,7 @@ def test_replay_equals_a_fresh_forward_over_the_cached_tokens_at_each_eviction_e
     got, _ = stream(pol, TOKENS[:T])
     sets = sets_for(pol, T)
     w, apply_fn, params = _model()
-    from models.llama import LoadedModel, forward_logits
+    from rsqr_jax.models.llama import LoadedModel, forward_logits
 
     loaded = LoadedModel(CFG, Llama(CFG, w), "tiny", "float32")
     events = [t for t in range(1, T) if sets[t] != sets[t - 1] + [t]]

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.rope as kernel_rope
-from models.llama import Llama, split_apply
+import rsqr_jax.kernels.exact_rope as kernel_rope
+from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.cache import cached_positions, init_cache
 from rsqr_jax.policy import window_start

@@ -347,7 +347,7 @@ def test_recall_needs_a_raw_survivor_mode_a_cold_store_and_a_cap():
 def test_fact_probe_runs_every_arm_deterministically(tmp_path):
     """The acceptance experiment's mechanics on the tiny model (its answers are noise; the real model's
     figures are in docs/recall_tier.md)."""
-    from rsqr_jax.experiments import fact_probe as F
+    from rsqr_jax.studies import fact_probe as F
     from rsqr_jax.testing.tokenizer import ByteTokenizer
 
     text = tmp_path / "filler.txt"
@@ -450,7 +450,7 @@ def test_recall_flags_bad_input_is_one_line(cli, script, args, fragment):
 
 
 def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
-    from rsqr_jax.experiments import bench_recall as B
+    from rsqr_jax.studies import recall_timing as B
     from rsqr_jax.testing.tokenizer import ByteTokenizer
 
     text = tmp_path / "t.txt"
@@ -473,7 +473,7 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
 
 
 def test_a_cold_store_larger_than_memory_is_refused_before_loading_the_weights(cli):
-    from rsqr_jax.experiments.common import ConfigError, check_memory
+    from rsqr_jax.eval.runtime import ConfigError, check_memory
     from tests.cli import assert_one_line_error
 
     assert_one_line_error(cli[COLD_TOO_LARGE[0], *COLD_TOO_LARGE[1]], "GiB of memory is available")

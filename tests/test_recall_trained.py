@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import rsqr_jax as rj
-from models.config import ModelConfig
+from rsqr_jax.models.config import ModelConfig
 from rsqr_jax.testing.train import AssocTask, assoc_accuracy, assoc_batch, train_assoc_model
 
 TASK = AssocTask()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rsqr_jax.experiments import reproduce as R
-from rsqr_jax.experiments import reproduce_arms as A
+from rsqr_jax.studies import reproduce as R
+from rsqr_jax.studies import reproduce_arms as A
 from tests.cli import assert_one_line_error, run_script
 
 
@@ -98,7 +98,7 @@ def test_replay_and_two_scale_positions():
 def test_explicit_step_matches_float64_oracle():
     """The explicit-position step (a tiny random model) against the float64 oracle: full causal attention
     and a sinks + window set at global (gapped) positions, two rows of one batch."""
-    from models.llama import Llama, split_apply
+    from rsqr_jax.models.llama import Llama, split_apply
     from rsqr_jax.testing.oracle import stream_logits_f64
     from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 

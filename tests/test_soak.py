@@ -1,5 +1,5 @@
-"""rsqr_jax.experiments.soak on the tiny random model, in-process: the 5000-token CI soak, a forced failure,
-an interruption, vmapped vs separate; scripts/soak.py as a subprocess: SIGTERM mid-stream (the real tokenizer)
+"""rsqr_jax.studies.soak on the tiny random model, in-process: the 5000-token CI soak, a forced failure,
+an interruption, vmapped vs separate; scripts/exp_soak.py as a subprocess: SIGTERM mid-stream (the real tokenizer)
 and bad input. The real-model soak (100k tokens) is documented in docs/speed.md."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rsqr_jax.experiments import soak as S
+from rsqr_jax.studies import soak as S
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.testing.tokenizer import ByteTokenizer
 from tests.cli import assert_one_line_errors

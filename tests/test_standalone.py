@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rsqr_jax import data
-from rsqr_jax.experiments.common import read_text
+from rsqr_jax.eval.runtime import read_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,17 +66,11 @@ def test_loader_keeps_a_file_without_markers_whole(tmp_path):
     assert data.read_text(marked) == "\nbody\n"  # one line break dropped on each side, no more
 
 
-def test_scripts_default_text_is_the_package_data():
-    proc = subprocess.run([sys.executable, "-c", "import _common; print(_common.DEFAULT_TEXT)"],
-                          cwd=REPO / "scripts", capture_output=True, text=True, check=True)
-    assert Path(proc.stdout.strip()) == data.FRANKENSTEIN
-
-
-def test_text_is_package_data():
-    toml = (REPO / "pyproject.toml").read_text()
-    section = toml.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
-    assert re.search(r'^rsqr_jax = \[.*"data/\*\.txt"', section, re.MULTILINE), section
-    assert data.FRANKENSTEIN.parent == Path(data.__file__).parent  # inside the package, not beside the checkout
+def test_commands_default_text_is_the_package_data_and_naming_it_imports_no_jax():
+    code = "import sys; from rsqr_jax.cli.args import DEFAULT_TEXT; print(DEFAULT_TEXT, 'jax' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "scripts", capture_output=True, text=True, check=True)
+    path, jax_imported = proc.stdout.split()
+    assert Path(path) == data.FRANKENSTEIN and jax_imported == "False"  # flags are checked before jax loads
 
 
 # What a tracked file must not mention: a path outside the repository, a machine path, work-tracking names

@@ -1,4 +1,4 @@
-"""rsqr_jax.experiments.streams on the tiny model: a vmapped policy batch equals separate stream_nll runs,
+"""rsqr_jax.eval.perplexity on the tiny model: a vmapped policy batch equals separate stream_nll runs,
 pieces carry the cache exactly, an interruption keeps the finished pieces, run_stream's summary, and the
 torch reference's chunked NLL (seeds: tests/tiny_stream.SEED; token ids below from default_rng(1))."""
 
@@ -13,9 +13,9 @@ import pytest
 from rsqr_jax import engine
 from rsqr_jax import policy as P
 from rsqr_jax.engine import stream_nll
-from rsqr_jax.experiments import streams
-from rsqr_jax.experiments.common import ConfigError
-from rsqr_jax.experiments.streams import Interrupted, StreamConfig, cache_spec, check_text, run_stream, stream_policies
+from rsqr_jax.eval import perplexity as streams
+from rsqr_jax.eval.runtime import ConfigError
+from rsqr_jax.eval.perplexity import Interrupted, StreamConfig, cache_spec, check_text, run_stream, stream_policies
 from tests.tiny_stream import CFG, load, write_text
 
 IDS_T = np.random.default_rng(1).integers(0, CFG.vocab_size, size=80).astype(np.int32)
@@ -123,7 +123,7 @@ def test_check_text(tmp_path):
 
 def test_hf_stream_nll_chunks_equal_one_forward():
     torch = pytest.importorskip("torch")
-    from rsqr_jax.testing.hf import hf_stream_nll
+    from rsqr_jax.testing.hf_reference import hf_stream_nll
     from tests import hf_fixtures
 
     spec = hf_fixtures.TINY_SPECS["llama"]

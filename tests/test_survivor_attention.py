@@ -1,4 +1,4 @@
-"""pallas_kernels.survivor_attention: the Pallas kernel (interpret mode on CPU) against the pure-jnp
+"""rsqr_jax.kernels.survivor_attention: the Pallas kernel (interpret mode on CPU) against the pure-jnp
 reference and against the independent float64 numpy implementation of docs/design.md §6
 (rsqr_jax.testing.kernel.oracle_f64, on its seeded inputs kernel_inputs)."""
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import survivor_attention, survivor_attention_reference
-from pallas_kernels.survivor_attention import (_angle_input, _survivor_attention_parts, rotation_table,
+from rsqr_jax.kernels import survivor_attention
+from rsqr_jax.kernels import survivor_attention_reference
+from rsqr_jax.kernels.survivor_attention import (_angle_input, _survivor_attention_parts, rotation_table,
                                                survivor_attention_xla)
 from rsqr_jax.testing.kernel import (KERNEL_ARGS, args_of, kernel_inputs, oracle_f64, rel_err, rope_inv_freq,
                                      rope_f64)
@@ -145,7 +146,7 @@ def test_lowers_to_pallas_triton(dtype, C, S, exact):
     0.11.2 and compiles the IR to sm_90a; running it needs a GPU (scripts/gpu_check.sh)."""
     from jax import export
 
-    from pallas_kernels.compile_report import h200_lowering
+    from rsqr_jax.devtools.compile_report import h200_lowering
 
     inp, inv = kernel_inputs(3, B=2, C=C, Hq=9, Hkv=3, D=64, W=1000, S=S, dtype=dtype)
     f = jax.jit(lambda *a: survivor_attention(*a, inv, interpret=False, exact_angles=exact))
@@ -206,7 +207,7 @@ def test_splits_fill_the_gpu_and_share_both_segments():
     """default_num_splits: SMs x programs per SM over the grid's programs, >= 2 key blocks per split; the
     block list (window blocks, then survivor blocks) is cut evenly, so with 2 + 2 blocks and 4 splits every
     split holds exactly one block and sees keys (l > 0 on the real rows)."""
-    from pallas_kernels.survivor_attention import default_num_splits
+    from rsqr_jax.kernels.survivor_attention import default_num_splits
 
     assert default_num_splits(programs=24, n_blocks=1000, num_warps=4, sms=132) == 22  # 132 * 4 / 24
     assert default_num_splits(programs=24, n_blocks=10, num_warps=4, sms=132) == 5

@@ -1,5 +1,5 @@
 """Vectorized policy sweeps (rsqr_jax.sweep) on a tiny random model: vmapped == alone, one compilation,
-sharded == unsharded (4 simulated CPU devices in a subprocess, also through rsqr_jax.experiments.sweep),
+sharded == unsharded (4 simulated CPU devices in a subprocess, also through rsqr_jax.studies.policy_sweep),
 grid parsing; the sweep and bench_sweep experiments in-process; the command lines' bad-input contract."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import Llama, split_apply
+from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
@@ -82,7 +82,7 @@ def test_each_policy_of_a_vmapped_sweep_equals_the_policy_run_alone(mode):
 _CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as PS
-    from models.llama import Llama, split_apply
+    from rsqr_jax.models.llama import Llama, split_apply
     from rsqr_jax.sweep import make_mesh, policy_grid, sweep_nll
     from rsqr_jax.testing.tiny import tiny_config, tiny_weights
     assert jax.device_count() == 4, jax.devices()
@@ -100,7 +100,7 @@ _CHILD = textwrap.dedent("""
         assert cache.win_k.shape[0] == -(-len(names) // p_dev) * p_dev and len(cache.win_k.addressable_shards) == 4
         out[f"nll_{{p_dev}}x{{b_dev}}"] = nll
     # The experiment module over the same 4 devices (its own mesh: 4 x 1, the policy axis padded 5 -> 8).
-    from rsqr_jax.experiments import sweep as SX
+    from rsqr_jax.studies import policy_sweep as SX
     res = SX.run(SX.SweepConfig(**{experiment!r}, devices=4), apply_fn, params, cfg)
     assert res.meta["devices"] == 4
     out["experiment"] = res.nll_PxT
@@ -168,7 +168,7 @@ def test_summarize_curve():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# scripts/sweep.py: bad input -> one line on stderr, exit code 2; the real model end to end (slow).
+# scripts/exp_sweep.py: bad input -> one line on stderr, exit code 2; the real model end to end (slow).
 
 
 # The scripts import this checkout's packages (not whichever checkout the editable install points at).
@@ -245,11 +245,11 @@ def test_sweep_cli_two_processes_equal_one_process_in_process():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# rsqr_jax.experiments.sweep / bench_sweep in-process on the tiny model (tokens: TOKENS, seed 3; weights seed 0).
+# rsqr_jax.studies.policy_sweep / bench_sweep in-process on the tiny model (tokens: TOKENS, seed 3; weights seed 0).
 
-from rsqr_jax.experiments import bench_sweep as BX  # noqa: E402
-from rsqr_jax.experiments import sweep as SX  # noqa: E402
-from rsqr_jax.experiments.common import ConfigError  # noqa: E402
+from rsqr_jax.studies import sweep_timing as BX  # noqa: E402
+from rsqr_jax.studies import policy_sweep as SX  # noqa: E402
+from rsqr_jax.eval.runtime import ConfigError  # noqa: E402
 
 SMALL_GRID = "mode=rsqr,streamingllm,full window=6,8 sinks=2 delta=3 max_survivors=3"  # 2 + 2 + 1 policies
 

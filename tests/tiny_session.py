@@ -7,7 +7,7 @@ import functools
 
 import jax.numpy as jnp
 
-from models.llama import Llama, split_apply
+from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.session import Session

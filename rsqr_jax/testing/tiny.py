@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.config import ModelConfig
+from rsqr_jax.models.config import ModelConfig
 
 
 def tiny_config(arch="llama", *, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=16, vocab=97, theta=1e4):
@@ -32,7 +32,7 @@ def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, *, dtype: str = "f
     """(apply_fn, params) of a tiny random Llama (the decoder of `models`, imported here lazily)."""
     import jax.numpy as jnp
 
-    from models.llama import Llama, split_apply
+    from rsqr_jax.models.llama import Llama, split_apply
 
     cfg = tiny_config() if cfg is None else cfg
     return split_apply(Llama(cfg, tiny_weights(cfg, seed), dtype=jnp.dtype(dtype)), kernel=kernel)

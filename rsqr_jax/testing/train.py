@@ -74,11 +74,11 @@ def assoc_batch(task: AssocTask, rng: np.random.Generator, batch: int, n_filler:
 
 def train_assoc_model(task: AssocTask, cfg, *, steps: int = 600, batch: int = 32, fillers=(0, 8, 24, 40),
                       lr: float = 3e-3, seed: int = 0, log_every: int = 0):
-    """(apply_fn, params, final_accuracy) of a `models.llama.Llama` trained with optax (Adam, warmup-cosine)
+    """(apply_fn, params, final_accuracy) of a `rsqr_jax.models.llama.Llama` trained with optax (Adam, warmup-cosine)
     on the task with full attention; fillers are cycled so every gap length is seen."""
     import optax
 
-    from models.llama import Llama, split_apply
+    from rsqr_jax.models.llama import Llama, split_apply
     from rsqr_jax import policy as P
     from rsqr_jax.cache import init_cache
     from rsqr_jax.spec import CacheSpec

@@ -1,0 +1,193 @@
+"""Shared command-line plumbing of every command (rsqr_jax.cli, scripts/, rsqr_jax.devtools): argument groups,
+policy/model construction, and the one-line-error contract (bad input -> one line on stderr, exit code 2, no
+traceback). Importing it imports no jax, so flags fail fast."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# The default text of every command: Frankenstein (Project Gutenberg #84), this package's data
+# (rsqr_jax.data.FRANKENSTEIN, named here without importing jax). The studies read it through
+# rsqr_jax.data.read_text, which keeps only the body between the Gutenberg markers.
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "frankenstein.txt"
+
+
+# transformers serves tokenizers and chat templates here; its advice to install PyTorch (absent in a runtime-only
+# install) is noise on a user's terminal.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+class UsageError(Exception):
+    """Bad user input: reported as one line, exit code 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each flag's default (unless it is None or False, or the help already says it) and keeps
+    the description's examples as written."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, []) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of usage + error, and defaults in --help."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr",
+                    recall_by_default: bool = False) -> None:
+    """The policy flags; recall_by_default: --recall-pages defaults to None, which
+    resolve_recall_default turns into the chat default (recall on under rsqr)."""
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", default=default_policy,
+                   help="full, window, streamingllm, leave_gaps, rerotate, replay, rsqr, rsqr_precompute")
+    g.add_argument("--window", type=int, default=256, help="window W (keeps W..W+block-1 recent tokens)")
+    g.add_argument("--sinks", type=int, default=4, help="attention sinks N")
+    g.add_argument("--delta", type=int, default=8, help="survivor stride (0 = no survivors)")
+    g.add_argument("--max-survivors", type=int, default=64, help="cap on non-sink survivors")
+    g.add_argument("--block", type=int, default=1, help="eviction block size")
+    g.add_argument("--overflow", default="fifo", help="fifo or decimate")
+    add_recall_args(p, default_pages=None if recall_by_default else 0)
+
+
+def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0, what: str = "",
+                    pages: bool = True) -> None:
+    """The recall tier's flags (DESIGN section 3b); `what` says which arm they apply to, if not --policy;
+    pages=False leaves out --recall-pages (where a grid sets it); default_pages None = the chat default
+    (see resolve_recall_default)."""
+    g = p.add_argument_group("recall tier (rsqr, streamingllm)" + (f": {what}" if what else ""))
+    if pages:
+        default_help = f"default {default_pages}"
+        if default_pages is None:
+            from rsqr_jax.cli.chat import DEFAULT_RECALL_PAGES
+
+            default_help = f"default: {DEFAULT_RECALL_PAGES} under rsqr, 0 under the other policies"
+        g.add_argument("--recall-pages", type=int, default=default_pages,
+                       help=f"cold pages each layer recalls per step (0 = off; {default_help}; DESIGN section 3b)")
+    g.add_argument("--cold-capacity", type=int, default=4096,
+                   help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
+    g.add_argument("--page-score", default=None, help="how pages are ranked: max (the default: the page's best "
+                   "token, exact; a float32 scoring copy of every cold key, the whole store scored each step), "
+                   "shortlist (the best token of the 16 x K pages of best mean key: the same choices in the "
+                   "measurements, no scoring copy; for stores of 16k tokens and more), mean (the query against the "
+                   "page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
+    g.add_argument("--recall-neighbors", type=int, default=0,
+                   help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    g.add_argument("--kernel", default="auto",
+                   help="attention kernel: xla, pallas, auto (pallas on GPU, xla on CPU), reference")
+
+
+def resolve_recall_default(args) -> None:
+    """Set an unset --recall-pages (None) to the chat default for --policy (after a resumed session's
+    settings are applied, which fix it)."""
+    from rsqr_jax.cli.chat import default_recall_pages
+
+    if getattr(args, "recall_pages", 0) is None:
+        args.recall_pages = default_recall_pages(args.policy)
+
+
+def policy_from_args(args):
+    from rsqr_jax.policy import make_policy
+
+    return make_policy(args.policy, window=args.window, n_sink=args.sinks, delta=args.delta,
+                       max_survivors=args.max_survivors, block=args.block, overflow=args.overflow,
+                       recall_pages=getattr(args, "recall_pages", 0))
+
+
+def cold_store_flags(args):
+    """The ColdStore of --cold-capacity --page-size --page-score --recall-neighbors; one-line errors."""
+    from rsqr_jax.spec import ColdStore
+
+    try:
+        rule = {"page_score": args.page_score} if args.page_score else {}  # else ColdStore's default
+        return ColdStore(args.cold_capacity, args.page_size, neighbors=args.recall_neighbors, **rule)
+    except ValueError as e:
+        raise UsageError(f"recall flags: {e}") from None
+
+
+def cold_store_from_args(args):
+    """The recall tier's ColdStore of the flags (None unless recall is on); one-line errors for impossible
+    values, before anything loads."""
+    k = getattr(args, "recall_pages", 0)
+    if k < 0:
+        raise UsageError(f"--recall-pages must be >= 0, got {k}")
+    if not k:
+        return None
+    cold = cold_store_flags(args)
+    if k > cold.pages:
+        raise UsageError(f"--recall-pages {k} exceeds the cold store's {cold.pages} pages")
+    return cold
+
+
+def cold_store_args(args) -> dict:
+    """CacheSpec.for_policies keywords of the recall tier (none unless recall is on)."""
+    cold = cold_store_from_args(args)
+    return {} if cold is None else {**cold.spec_kwargs(), "max_recall_pages": args.recall_pages}
+
+
+def check_model_args(args) -> None:
+    if args.dtype not in ("float32", "bfloat16"):
+        raise UsageError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
+    if args.kernel not in ("xla", "pallas", "auto", "reference"):
+        raise UsageError(f"--kernel must be xla, pallas, auto or reference, got {args.kernel!r}")
+    if args.model is not None and not os.path.exists(args.model):
+        raise UsageError(f"model not found: {args.model}")
+
+
+def check_cache_fits(cache_bytes: int) -> None:
+    """Refuse (one line) a cache that cannot fit in memory, before allocating it."""
+    from rsqr_jax.eval.runtime import ConfigError, check_memory
+
+    try:
+        check_memory(cache_bytes)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def load_model_from_args(args):
+    from rsqr_jax.models.llama import load_model, split_apply
+
+    loaded = load_model(args.model, args.dtype)
+    apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
+    return loaded, apply_fn, params
+
+
+def status(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_main(main, argv: list[str] | None = None) -> None:
+    """Run main(argv) (None: the process's own arguments) as a process does: user errors are one line on
+    stderr and exit code 2, an interrupt exits 130, else main's return value is the exit status."""
+    from rsqr_jax.models.config import ModelLoadError
+    from rsqr_jax.eval.runtime import ConfigError
+    from rsqr_jax.policy import PolicyError
+
+    prog = Path(sys.argv[0]).name
+    try:
+        code = main(argv)
+    except (UsageError, PolicyError, ModelLoadError, ConfigError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,179 @@
+"""Flax NNX decoder for the Llama family (Llama, Llama-3 rope scaling, SmolLM2, Qwen2/2.5 biases).
+
+Layer weights are stacked on a leading axis and the layers run under one `lax.scan`, so compile time
+does not grow with depth. Attention is not implemented here: each layer hands its raw q/k/v to
+`rsqr_jax.update.attend_layer`, which owns RoPE, the cache and every eviction policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rsqr_jax.models.config import ModelConfig
+from rsqr_jax.cache import KVCache
+from rsqr_jax.update import StepPlan, attend_layer
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+BIAS_KEYS = ("bq", "bk", "bv")
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Llama RMSNorm: statistics in float32, result cast back before the weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer; weights in the canonical layout of rsqr_jax.models.loading (x @ W)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=jnp.float32):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        cast = lambda name: nnx.Param(jnp.asarray(weights[name], self.dtype))  # noqa: E731
+        self.embed = cast("embed")
+        self.final_norm = cast("final_norm")
+        self.lm_head = cast("lm_head") if not config.tie_word_embeddings else None
+        for name in LAYER_KEYS + (BIAS_KEYS if config.attention_bias else ()):
+            setattr(self, name, cast(name))
+
+    def __call__(self, tokens_BxC: jax.Array, cache: KVCache, plan: StepPlan, *, kernel: str = "xla",
+                 capture_qk: bool = False, attend: Callable = attend_layer):
+        """Logits [B, C, V] (float32) of a chunk, and the cache with this chunk's K/V written.
+
+        capture_qk: also return every layer's raw (un-rotated) q [L, B, C, Hq, D] and k [L, B, C, Hkv, D],
+        as the layer computed them (for experiments on RoPE numerics; no second forward anywhere).
+        attend: the layer's attention, `attend_layer` (signature and cache contract); an experiment may pass
+        its own (e.g. rsqr_jax.studies.reproduce_arms.explicit_attend, whose "cache" is its own pytree)."""
+        cfg = self.config
+        B, C = tokens_BxC.shape
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inv_freq = cfg.inv_freq
+        keys = LAYER_KEYS + (BIAS_KEYS if cfg.attention_bias else ())
+        stacked = {name: getattr(self, name)[...] for name in keys}
+        x_BxCxH = jnp.take(self.embed[...], tokens_BxC, axis=0)
+
+        def layer(carry, xs):
+            x, cache = carry
+            p, idx = xs
+            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = _dense(h, p["wq"]), _dense(h, p["wk"]), _dense(h, p["wv"])
+            if cfg.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q, k = q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D)
+            attn, cache = attend(idx, q, k, v.reshape(B, C, Hkv, D), cache, plan, inv_freq, kernel=kernel)
+            x = x + _dense(attn.reshape(B, C, Hq * D).astype(x.dtype), p["wo"])
+            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+            x = x + _dense(jax.nn.silu(_dense(h, p["w_gate"])) * _dense(h, p["w_up"]), p["w_down"])
+            return (x, cache), ((q, k) if capture_qk else None)
+
+        (x_BxCxH, cache), qk = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.arange(cfg.num_layers)))
+        h = rms_norm(x_BxCxH, self.final_norm[...], cfg.rms_norm_eps)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return (logits, cache, qk) if capture_qk else (logits, cache)
+
+
+def split_apply(model: Llama, *, kernel: str = "xla", attend: Callable = attend_layer) -> tuple[Callable, nnx.State]:
+    """(apply_fn, params): a pure function for the streaming loops (`nnx.split` once, `nnx.merge` inside).
+
+    apply_fn(params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache); `attend` as in `Llama.__call__`.
+    """
+    graphdef, params = nnx.split(model)
+
+    def apply_fn(params, tokens_BxC, cache, plan):
+        return nnx.merge(graphdef, params)(tokens_BxC, cache, plan, kernel=kernel, attend=attend)
+
+    return apply_fn, params
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to stream: its config, the NNX module, the tokenizer (lazy) and where it came from."""
+
+    config: ModelConfig
+    model: Llama
+    path: str
+    dtype: str
+    _tokenizer: object = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from rsqr_jax.models.gguf import forget_readers
+            from rsqr_jax.models.loading import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.path)
+            forget_readers()  # weights and tokenizer are read: the parsed GGUF (~70 MB of metadata) can go
+        return self._tokenizer
+
+    @property
+    def identity(self) -> dict:
+        """What a saved session must match to be resumed on this model."""
+        c = self.config
+        return {"path": self.path, "arch": c.arch, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+                "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+                "dtype": self.dtype}
+
+
+@functools.lru_cache(maxsize=1)
+def _load_cached(path: str, dtype: str) -> LoadedModel:
+    """One loaded model per process (a second path or dtype replaces it: two copies of the weights never
+    stay alive through this cache).
+
+    Each canonical tensor goes to the device as soon as it is read (on CPU `jax.device_put` adopts the
+    loader's 64-byte aligned buffer; elsewhere it copies, and the wait drops the host copy before the next
+    tensor is read: copies are asynchronous), so the host never holds the weights twice.
+    """
+    from rsqr_jax.models.loading import iter_weights, load_config
+
+    config = load_config(path)
+    weights = {}
+    for name, w in iter_weights(path, config):
+        w = w if w.dtype == jnp.dtype(dtype) else w.astype(jnp.dtype(dtype))
+        weights[name] = jax.device_put(w).block_until_ready()  # CPU: adopts the aligned buffer, no copy
+        del w
+    return LoadedModel(config, Llama(config, weights, dtype=jnp.dtype(dtype)), path, dtype)
+
+
+def load_model(path: str | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load a GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct) with weights in `dtype`."""
+    from rsqr_jax.models.loading import default_model_path
+
+    path = default_model_path() if path is None else str(path)
+    return _load_cached(path, str(jnp.dtype(dtype)))
+
+
+def forward_logits(path_or_loaded, token_ids: np.ndarray, *, dtype: str = "float32") -> np.ndarray:
+    """float32 logits [B, T, V] of full causal attention at positions 0..T-1 (parity tests, references)."""
+    from rsqr_jax import policy as P
+    from rsqr_jax.cache import init_cache
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.update import plan_step
+
+    loaded = path_or_loaded if isinstance(path_or_loaded, LoadedModel) else load_model(path_or_loaded, dtype)
+    cfg = loaded.config
+    tokens = jnp.asarray(np.asarray(token_ids), jnp.int32)
+    B, T = tokens.shape
+    pol = P.full()
+    spec = CacheSpec.for_policies(pol, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                  batch=B, dtype=loaded.dtype, max_chunk=T, max_len=T)
+    apply_fn, params = split_apply(loaded.model)
+
+    @jax.jit
+    def run(params, tokens):
+        cache = init_cache(spec)
+        return apply_fn(params, tokens, cache, plan_step(cache, pol, T))[0]
+
+    return np.asarray(run(params, tokens))

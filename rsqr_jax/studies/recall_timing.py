@@ -1,0 +1,113 @@
+"""Per-token decode latency of rsqr with the recall tier against cold-store size and fill, side by side with
+plain rsqr in one process (rounds interleaved, so load on the machine hits every arm alike): the recall
+overhead as a ratio, and the cold store's memory. Each prompt length is its own arm (a prompt shorter than
+the window leaves the store empty; longer ones fill it to prompt - window tokens, and past its capacity the
+ring wraps); each row reports how many tokens were recallable when its timing began and ended."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from rsqr_jax.eval.runtime import ConfigError, read_tokens, status, write_json_atomic
+from rsqr_jax.spec import DEFAULT_PAGE_SCORE
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRecallConfig:
+    text: str
+    cold_sizes: tuple[int, ...] = (0, 4096, 16384, 65536)  # 0 = plain rsqr (no cold store)
+    recall_pages: int = 4
+    page_size: int = 16
+    window: int = 256
+    n_sink: int = 4
+    delta: int = 8
+    max_survivors: int = 64
+    prompt_tokens: tuple[int, ...] = (512,)  # one arm per length, each recalling arm against plain rsqr's
+    new_tokens: int = 64
+    rounds: int = 3
+    page_scores: tuple[str, ...] = (DEFAULT_PAGE_SCORE,)  # every recalling size runs under each rule (spec.PAGE_SCORES)
+
+    def __post_init__(self):
+        if not self.cold_sizes or any(c < 0 or c % self.page_size for c in self.cold_sizes):
+            raise ConfigError(f"--cold-sizes must be multiples of --page-size {self.page_size} (0 = no recall)")
+        if isinstance(self.prompt_tokens, int):
+            object.__setattr__(self, "prompt_tokens", (self.prompt_tokens,))
+        if self.rounds < 1 or self.new_tokens < 1 or not self.prompt_tokens or min(self.prompt_tokens) < 2:
+            raise ConfigError("--rounds, --new-tokens must be >= 1 and every --prompt-tokens >= 2")
+        from rsqr_jax.spec import PAGE_SCORES
+
+        if not self.page_scores or any(r not in PAGE_SCORES for r in self.page_scores):
+            raise ConfigError(f"--page-scores must be a list of {', '.join(PAGE_SCORES)}, got {self.page_scores}")
+
+
+def _recallable(session) -> int:
+    """Cold slots holding a token that has left the window (what recall may choose from)."""
+    from rsqr_jax.policy import window_start
+
+    c, pol = session.cache, session.policy
+    w0 = int(window_start(c.t, pol.window, pol.block, c.start))
+    pos = np.asarray(c.cold_pos)
+    return int(((pos >= 0) & (pos < w0)).sum())
+
+
+def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> dict:
+    from rsqr_jax import policy as P
+    from rsqr_jax.session import Session
+    from rsqr_jax.spec import CacheSpec
+
+    prompts = {n: read_tokens(tokenizer, cfg.text, n) for n in cfg.prompt_tokens}
+    dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim, max_chunk=min(64, cfg.window))
+    sessions = {}  # (cold size, page rule or None, prompt length) -> (session, bytes by part)
+    for size in cfg.cold_sizes:
+        for rule in (cfg.page_scores if size else (None,)):
+            k = cfg.recall_pages if size else 0
+            pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
+            cold = dict(cold_capacity=size, page_size=cfg.page_size, page_score=rule) if size else {}
+            spec = CacheSpec.for_policies(pol, **cold, **dims)
+            for n, prompt in prompts.items():  # sessions of one spec share its compilation
+                s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
+                s.warmup()
+                s.feed(prompt)
+                sessions[size, rule, n] = (s, spec.bytes_by_part(pol), _recallable(s))
+            status(f"bench_recall: cold {size} ({rule or 'no recall'}): compiled in {s.compile_s:.1f}s")
+    times = {key: [] for key in sessions}
+    for r in range(cfg.rounds):
+        for key, (s, *_) in sessions.items():
+            t0 = time.perf_counter()
+            s.generate(cfg.new_tokens)
+            times[key].append((time.perf_counter() - t0) / cfg.new_tokens)
+        status(f"bench_recall: round {r + 1}/{cfg.rounds}")
+    base = {n: float(np.median(times[cfg.cold_sizes[0], None if not cfg.cold_sizes[0] else cfg.page_scores[0], n]))
+            for n in cfg.prompt_tokens}
+    rows = []
+    for (size, rule, n), (s, parts, before) in sessions.items():
+        ms = 1000 * float(np.median(times[size, rule, n]))
+        rows.append({"cold_capacity": size, "page_score": rule, "recall_pages": cfg.recall_pages if size else 0,
+                     "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
+                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, n]],
+                     "ratio": ms / (1000 * base[n]), "cold_store_MiB": parts["cold_store"] / 2**20,
+                     "device_cache_MiB": (parts["total"] - parts["cold_store"]) / 2**20})
+    return {"config": dataclasses.asdict(cfg), "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    out = ["| cold store (tokens) | recall pages | page score | prompt | recallable (start-end) | ms/token (median) | "
+           "ratio to the first row's prompt | cold store MiB | window + survivors MiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        a, b = r["recallable"]
+        out.append(f"| {r['cold_capacity']} | {r['recall_pages']} | {r.get('page_score') or '-'} | "
+                   f"{r['prompt_tokens']} | {a}-{b} | {r['ms_per_token']:.1f} | {r['ratio']:.2f} | "
+                   f"{r['cold_store_MiB']:.0f} | {r['device_cache_MiB']:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def write(result: dict, out_dir) -> None:
+    import pathlib
+
+    write_json_atomic(pathlib.Path(out_dir) / "bench_recall.json", result)
+    (pathlib.Path(out_dir) / "bench_recall.md").write_text(markdown(result))

@@ -1,0 +1,87 @@
+"""The package as a user installs it: a built wheel holds every module the commands, the lm-eval model and the
+public API import, under the one import name `rsqr_jax`; installed into a fresh virtual environment (offline,
+its dependencies reused from this one) it runs the README's library example and the `rsqr-decode` entry point
+from a directory outside the checkout."""
+
+from __future__ import annotations
+
+import os
+import re
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-w", str(out), str(REPO)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (whl,) = out.glob("rsqr_jax-*.whl")
+    return whl
+
+
+def test_wheel_holds_every_module_under_one_import_name(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    (dist_info,) = [t for t in top if t.endswith(".dist-info")]
+    assert top == {"rsqr_jax", dist_info}, top  # no generic top-level names (models, pallas_kernels, ...)
+    in_wheel = {n for n in names if n.endswith(".py")}
+    in_checkout = {p.relative_to(REPO).as_posix() for p in (REPO / "rsqr_jax").rglob("*.py")}
+    assert in_checkout and in_checkout == in_wheel, sorted(in_checkout ^ in_wheel)
+    assert "rsqr_jax/data/frankenstein.txt" in names
+    entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
+    for command, target in [("rsqr-decode", "rsqr_jax.cli.decode:run"), ("rsqr-eval-stream", "rsqr_jax.cli.eval_stream:run"),
+                            ("rsqr-eval-tasks", "rsqr_jax.cli.eval_tasks:run")]:
+        assert re.search(rf"^{command} = {re.escape(target)}$", entry_points, re.M), entry_points
+
+
+def readme_library_example() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Library\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_environment_runs_the_readme_example_and_decode_outside_the_checkout(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # The dependencies (and the embedded model's package) come from this environment; rsqr_jax from the wheel only
+    # (a path listed in a .pth file is added without running its own .pth files, so this environment's editable
+    # install of the checkout stays out).
+    Path(purelib, "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
+                           str(wheel)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def run(*cmd, **kw):
+        return subprocess.run([str(c) for c in cmd], cwd=work, env=env, capture_output=True, text=True, timeout=900, **kw)
+
+    probe = run(py, "-c", "import importlib.util as u, rsqr_jax; print(rsqr_jax.__file__); "
+                          "print([n for n in ('models', 'pallas_kernels', 'scripts', 'tests') if u.find_spec(n)])")
+    assert probe.returncode == 0, probe.stderr
+    location, stray = probe.stdout.splitlines()
+    assert location.startswith(purelib) and stray == "[]", probe.stdout
+
+    (work / "example.py").write_text(readme_library_example())
+    example = run(py, "example.py")
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert example.stdout.strip(), "the example printed nothing"
+
+    decode = run(venv / "bin" / "rsqr-decode", "--raw", "--prompt", "The capital of France is", "--max-new-tokens", "8",
+                 "--temperature", "0", "--window", "64")
+    assert decode.returncode == 0, decode.stderr[-3000:]
+    assert decode.stdout.strip(), decode.stderr[-3000:]
