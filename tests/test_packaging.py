@@ -5,6 +5,7 @@ from a directory outside the checkout."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import site
@@ -85,3 +86,83 @@ def test_wheel_in_a_fresh_environment_runs_the_readme_example_and_decode_outside
                  "--temperature", "0", "--window", "64")
     assert decode.returncode == 0, decode.stderr[-3000:]
     assert decode.stdout.strip(), decode.stderr[-3000:]
+
+
+# The layers of docs/design.md §7, lowest first, and what each may import of the package.
+LAYERS = {
+    "kernels": {"kernels"},
+    "core": {"kernels", "core"},
+    "models": {"kernels", "core", "models"},
+    "testing": {"kernels", "core", "models", "testing"},
+    "eval": {"kernels", "core", "models", "testing", "eval"},  # testing: the torch reference rows
+}
+APPS = {"cli", "studies", "devtools"}  # may import any layer; nothing in a layer imports them
+
+
+def kind_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in set(LAYERS) | APPS:
+        return parts[1]
+    return "core"  # rsqr_jax itself, rsqr_jax.<module>, rsqr_jax.data
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Every rsqr_jax module a file imports, at any depth (lazy imports inside functions count)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(module.split(".")[:-node.level] + ([base] if base else []))
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m == "rsqr_jax" or m.startswith("rsqr_jax.")}
+
+
+def package_modules():
+    for path in sorted((REPO / "rsqr_jax").rglob("*.py")):
+        rel = path.relative_to(REPO).with_suffix("")
+        parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
+        yield path, ".".join(parts)
+
+
+def test_library_layers_import_downwards_only_and_never_a_study_or_a_command():
+    known = {m for _, m in package_modules()}
+    bad = []
+    for path, module in package_modules():
+        kind = kind_of(module)
+        if kind in APPS or module == "rsqr_jax":
+            continue
+        for dep in imported_modules(path, module):
+            if dep not in known and dep.rsplit(".", 1)[0] in known:
+                dep = dep.rsplit(".", 1)[0]  # `from pkg import name`: the name is not a module
+            if kind_of(dep) not in LAYERS[kind]:
+                bad.append(f"{module} ({kind}) imports {dep} ({kind_of(dep)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_code_imports_a_generic_top_level_name():
+    bad = []
+    for path in sorted(p for d in ("rsqr_jax", "scripts", "tests") for p in (REPO / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.relative_to(REPO)}: {n}" for n in names
+                    if n.split(".")[0] in {"models", "pallas_kernels", "experiments", "_common"}]
+    assert not bad, bad
+
+
+def test_module_names_are_unique_across_the_package_and_the_scripts():
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "rsqr_jax").rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(path.relative_to(REPO).as_posix())
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        # A launcher of an installed command shares its command's name and holds nothing else.
+        if re.fullmatch(rf'(#![^\n]*\n)?"""[^\n]*"""\s+from rsqr_jax\.cli\.{path.stem} import run\s+'
+                        r'if __name__ == "__main__":\s+run\(\)\s*', path.read_text()):
+            continue
+        seen.setdefault(path.stem, []).append(path.relative_to(REPO).as_posix())
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, shared
