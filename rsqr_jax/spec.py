@@ -4,6 +4,7 @@ run a policy. Host-side only: nothing here is traced."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -152,16 +153,21 @@ class CacheSpec:
         return min(SHORTLIST_PER_PAGE * self.max_recall_pages, self.cold_slots // self.page_size)
 
     @classmethod
-    def for_policies(cls, policies: Policy | list[Policy], *, num_layers: int, num_kv_heads: int, head_dim: int,
+    def for_policies(cls, policies: Policy | list[Policy], *, dims=None, num_layers: int | None = None,
+                     num_kv_heads: int | None = None, head_dim: int | None = None,
                      batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0,
                      cold_capacity: int = 0, page_size: int = 16, max_recall_pages: int | None = None,
                      page_score: str = DEFAULT_PAGE_SCORE, recall_neighbors: int = 0) -> "CacheSpec":
         """The smallest spec that holds every given policy (a sweep batch gets the union).
 
+        dims: the model's cache dimensions, anything with num_layers, num_kv_heads and head_dim (a model
+        config, or a dict of them), so a caller need not copy them by hand; an explicit keyword must agree.
         max_len bounds the stream for `full` (its window must hold everything) and nothing else.
         cold_capacity / page_size: the recall tier's cold store; max_recall_pages defaults to the largest
         recall_pages of the policies.
         """
+        num_layers, num_kv_heads, head_dim = model_dims(dims, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                                        head_dim=head_dim)
         hosts = host_policies(policies)
         win, surv, pre, tok = 1, 0, False, False
         for h in hosts:
@@ -204,6 +210,30 @@ class CacheSpec:
         # Working memory of the recalled tokens of one layer (gathered per step; not part of the stored cache).
         out["recalled_slots"] = self.recall_slots * self.entry_bytes // self.num_layers
         return out
+
+
+DIMS = ("num_layers", "num_kv_heads", "head_dim")
+
+
+def model_dims(dims=None, **given) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) from `dims` (attributes or mapping keys) and/or the keywords
+    (None: not given); ValueError (one line) for a missing one or a keyword that contradicts `dims`."""
+    out = []
+    for name in DIMS:
+        value = given.get(name)
+        if dims is not None:
+            try:
+                own = dims[name] if isinstance(dims, Mapping) else getattr(dims, name)
+            except (KeyError, AttributeError):
+                raise ValueError(f"dims has no {name} (give a model config with num_layers, num_kv_heads and "
+                                 f"head_dim)") from None
+            if value is not None and value != own:
+                raise ValueError(f"{name}={value!r} contradicts dims.{name}={own!r}")
+            value = own
+        if value is None:
+            raise ValueError(f"the cache needs {name}: pass dims=<model config> or {name}=")
+        out.append(value)
+    return tuple(out)
 
 
 def float_dtype_name(dtype) -> str:
