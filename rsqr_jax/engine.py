@@ -454,7 +454,7 @@ def _generate(dec: Decoder, params, cache, policy, pending_B, state, values, n_s
 # Streaming perplexity on top of the engine.
 
 
-def stream_nll(apply_fn: Callable, params, tokens_BxT, policy: Policy, spec: CacheSpec, *, chunk: int = 1,
+def stream_nll(apply_fn: Callable, params, tokens_BxT, policy: Policy | list[Policy], spec: CacheSpec, *, chunk: int = 1,
                segment: int = 256, progress=None, vmap_policies: bool = False, cache: KVCache | None = None,
                cache_sharding=None):
     """Per-token NLL [B, T-1] (float32 numpy) of streaming tokens_BxT through the cache under `policy`.
@@ -462,10 +462,13 @@ def stream_nll(apply_fn: Callable, params, tokens_BxT, policy: Policy, spec: Cac
     Token t+1 is scored from the logits at t. The stream runs in jitted segments of `segment` tokens
     (one `Decoder.score` scan of chunk steps each; the last one padded with n_valid = 0 chunks), so a
     stream of any length compiles once. With vmap_policies, `policy` carries a leading [P] axis and the
-    result is [P, B, T-1] (weights shared, not copied). `progress(n_tokens_done)` is called per segment.
+    result is [P, B, T-1] (weights shared, not copied); a list (or tuple) of policies is stacked and vmapped
+    the same way, so a sweep need not stack by hand. `progress(n_tokens_done)` is called per segment.
     `cache` continues from a given (e.g. pre-sharded) cache; `cache_sharding` pins the cache's sharding.
     Returns (nll, final cache).
     """
+    if isinstance(policy, (list, tuple)):
+        policy, vmap_policies = P.stack_policies(list(policy)), True
     validate(policy, spec, chunk=chunk)
     tokens = np.asarray(tokens_BxT, dtype=np.int32)
     B, T = tokens.shape
