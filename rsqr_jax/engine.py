@@ -454,8 +454,8 @@ def _generate(dec: Decoder, params, cache, policy, pending_B, state, values, n_s
 # Streaming perplexity on top of the engine.
 
 
-def stream_nll(apply_fn: Callable, params, tokens_BxT, policy: Policy | list[Policy], spec: CacheSpec, *, chunk: int = 1,
-               segment: int = 256, progress=None, vmap_policies: bool = False, cache: KVCache | None = None,
+def stream_nll(apply_fn: Callable, params, tokens_BxT, policy: Policy | list[Policy], spec: CacheSpec, *,
+               chunk: int = 1, segment: int = 256, progress=None, vmap_policies: bool = False, cache: KVCache | None = None,
                cache_sharding=None):
     """Per-token NLL [B, T-1] (float32 numpy) of streaming tokens_BxT through the cache under `policy`.
 
