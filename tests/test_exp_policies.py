@@ -1,16 +1,13 @@
 """The policy table (rsqr_jax.studies.policy_table): in process on the tiny model (seed tests/tiny_stream.SEED)
 — every run, the checks, rescore — and on crafted NLL; one slow smoke run of `scripts/exp_policies.py
---quick --no-hf --no-bf16` on SmolLM2-135M (~1 min on 2 cores): rsqr with delta=0 is streamingllm (docs/design.md
-§4, equivalence 1) and dropping the attention sinks hurts."""
+--quick --no-hf --no-bf16` on SmolLM2-135M (~1 min on 2 cores, in this process): rsqr with delta=0 is streamingllm
+(docs/design.md §4, equivalence 1) and dropping the attention sinks hurts; the script as its own process on bad
+input."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,9 +15,9 @@ import pytest
 from rsqr_jax.studies import policy_table as policies
 from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.studies.policy_table import PoliciesConfig
+from tests.cli import assert_one_line_error, run_in_process, run_script
 from tests.tiny_stream import load, write_text
 
-ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"full/float32", "window/float32", "streamingllm/float32", "rsqr_delta0/float32", "rsqr/float32",
         "rerotate/float32"}
 
@@ -116,12 +113,17 @@ def test_config_refuses(kw, fragment):
     assert PoliciesConfig.make("t.txt", quick=True).tokens == 512 and PoliciesConfig.make("t.txt").window == 256
 
 
+def test_cli_bad_input_is_one_line(tmp_path):
+    """The first case as a real process (exit code 2 from a fresh interpreter), the second in this process."""
+    assert_one_line_error(run_script("exp_policies.py", "--quick", "--tokens", "100", "--window", "64"),
+                          "must be at least twice the window 64")
+    assert_one_line_error(run_in_process("exp_policies.py", "--rescore", str(tmp_path / "none")), "not found")
+
+
 @pytest.mark.slow
 def test_quick_smoke(tmp_path, smollm2_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_policies.py"), "--quick", "--no-hf",
-                           "--no-bf16", "--no-progress", "--json", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_in_process("exp_policies.py", "--quick", "--no-hf", "--no-bf16", "--no-progress", "--json", "--out",
+                          str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "exp_policies.json").read_text())
     assert json.loads(proc.stdout) == res

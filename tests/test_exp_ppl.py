@@ -1,6 +1,7 @@
 """Streaming perplexity per bucket (rsqr_jax.studies.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
 — JSON shape, per-bucket curves, plot, exact policies agreeing, interruption, rescore, merge; one slow smoke
-run of `scripts/exp_ppl.py --quick` on SmolLM2-135M (~1.5 min on 2 cores) for the sanity bounds."""
+run of `scripts/exp_ppl.py --quick` on SmolLM2-135M (~1.5 min on 2 cores, in this process) for the sanity
+bounds; the script as its own process on bad input."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +19,9 @@ from rsqr_jax.studies import ppl
 from rsqr_jax.eval import perplexity as streams
 from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.studies.ppl import PplConfig
-from tests.cli import assert_one_line_errors
+from tests.cli import assert_one_line_error, run_in_process, run_script
 from tests.tiny_stream import load, write_text
 
-ROOT = Path(__file__).resolve().parent.parent
 POLICIES = {"full", "window", "streamingllm", "leave_gaps", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute",
             "replay"}
 
@@ -205,23 +203,19 @@ def test_recall_arm_rides_in_the_vmapped_cell(tmp_path):
     assert result.data["config"]["cold"]["capacity"] == 64
 
 
-def run_script(*args, timeout=600):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_ppl.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def test_cli_errors_are_one_line(tmp_path):
-    """Every case in one batch (tests/cli.py run_scripts); test_quick_smoke runs the script as its own process."""
-    assert_one_line_errors([("exp_ppl.py", ["--rescore", str(tmp_path / "no")], "not found"),
-                            ("exp_ppl.py", ["--merge", str(tmp_path)], "--merge needs --rescore"),
-                            ("exp_ppl.py", ["--windows", "64,x"], "--windows: expected comma-separated integers"),
-                            ("exp_ppl.py", ["--cell-tokens", "64=3"], "--cell-tokens: bad term")])
+    """The first case as a real process (exit code 2 from a fresh interpreter); the others in this process
+    (tests/cli.py run_in_process), as is the slow --quick run below."""
+    assert_one_line_error(run_script("exp_ppl.py", "--rescore", str(tmp_path / "no")), "not found")
+    for args, fragment in [(["--merge", str(tmp_path)], "--merge needs --rescore"),
+                           (["--windows", "64,x"], "--windows: expected comma-separated integers"),
+                           (["--cell-tokens", "64=3"], "--cell-tokens: bad term")]:
+        assert_one_line_error(run_in_process("exp_ppl.py", *args), fragment)
 
 
 @pytest.mark.slow
 def test_quick_smoke(tmp_path, smollm2_path):
-    proc = run_script("--quick", "--no-progress", "--json", "--out", str(tmp_path))
+    proc = run_in_process("exp_ppl.py", "--quick", "--no-progress", "--json", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "exp_ppl.json").read_text())
     assert json.loads(proc.stdout) == res
