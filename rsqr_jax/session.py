@@ -30,7 +30,11 @@ from rsqr_jax.policy import Policy
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling
 from rsqr_jax.session_file import (FORMAT, FORMAT_VERSION, SessionFileError, _json_clean, _one_line, _policy_values,
                                    check_identity, read_session_file, write_session_file)
-from rsqr_jax.spec import CacheSpec, validate
+from rsqr_jax.spec import CacheSpec, ColdStore, host_policies, validate
+
+# The prefill chunk of `Session.create` (a policy with a smaller window gets its window): long enough that
+# a prompt prefills in few calls, short enough that a short one wastes little padding.
+DEFAULT_CHUNK = 64
 
 __all__ = ["Session", "SessionFileError", "FORMAT", "FORMAT_VERSION", "check_identity", "read_session_file",
            "write_session_file"]
@@ -81,6 +85,31 @@ class Session:
         self.extra: dict = {}
         self._warm: set[str] = set()
         self.compile_s = 0.0
+
+    @classmethod
+    def create(cls, apply_fn: Callable, params, policy: Policy, *, dims, chunk: int | None = None,
+               dtype: str = "float32", max_len: int = 0, cold: ColdStore | None = None, **kwargs) -> "Session":
+        """A session with its cache spec derived from the policy and the model's `dims` (anything with
+        num_layers, num_kv_heads, head_dim: a model config), prefilling in chunks of `chunk` tokens (default
+        64, at most the policy's window), the one value the spec's max_chunk and the prefill chunk must share.
+
+        dtype: the cache's storage dtype. max_len: the positions a `full` policy's cache holds (required for
+        it; the other policies are bounded by themselves). cold: the recall tier's cold store. The other
+        keywords (sampling, seed, eos_ids, vocab_size, gen_block, max_candidates) are the constructor's.
+        """
+        hosts = host_policies(policy)
+        if len(hosts) != 1:
+            raise ValueError(f"a Session runs one policy, got {len(hosts)}")
+        bounded = hosts[0]["mode"] != P_FULL
+        if not bounded and max_len < 1:
+            raise ValueError("a full-attention session needs max_len (the positions its cache holds)")
+        if chunk is None:
+            chunk = min(DEFAULT_CHUNK, hosts[0]["window"]) if bounded else DEFAULT_CHUNK
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        spec = CacheSpec.for_policies(policy, dims=dims, dtype=dtype, max_chunk=int(chunk), max_len=max_len,
+                                      **(cold.spec_kwargs() if cold is not None else {}))
+        return cls(apply_fn, params, spec, policy, prefill_chunk=int(chunk), **kwargs)
 
     @property
     def temperature(self) -> float:

@@ -1,6 +1,6 @@
 """A streaming chat (or plain generation) through a `Session`: each user turn through the chat template,
-the reply streamed token by token with incremental detokenization, stop strings, saving after every
-turn, the interactive loop, the memory demo and the rules of resuming a saved session.
+the reply streamed token by token (rsqr_jax.conversation: incremental detokenization, stop strings), saving
+after every turn, the interactive loop, the memory demo and the rules of resuming a saved session.
 
 Model-agnostic: `run` takes a ready Session and a transformers-style tokenizer (`encode`, `decode`,
 `apply_chat_template`); scripts/decode.py loads the model and builds the Session.
@@ -20,6 +20,8 @@ from typing import Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 
+# The text-level reply loop lives in the core; its names stay reachable here (chat.ChatFeed, ...).
+from rsqr_jax.conversation import ChatFeed, TextStream, generate_reply, has_chat_template  # noqa: F401
 from rsqr_jax.eval.runtime import ConfigError, write_json_atomic
 
 
@@ -85,72 +87,6 @@ DEFAULT_RECALL_PAGES = 4
 def default_recall_pages(policy: str) -> int:
     """Recall pages decode.py uses for `policy` when --recall-pages is not given."""
     return DEFAULT_RECALL_PAGES if policy == "rsqr" else 0
-
-
-class ChatFeed:
-    """Turns a growing conversation into the exact text still to feed, via the model's chat template."""
-
-    def __init__(self, tokenizer, messages: list[dict] | None = None, fed_text: str = ""):
-        self.tok = tokenizer
-        self.messages: list[dict] = list(messages or [])
-        self.fed_text = fed_text
-
-    def user_turn(self, content: str) -> list[int]:
-        return self.tok.encode(self.user_turn_text(content), add_special_tokens=False)
-
-    def user_turn_text(self, content: str) -> str:
-        """The text still to feed for a new user turn (what `user_turn` tokenizes)."""
-        self.messages.append({"role": "user", "content": content})
-        full = self.tok.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
-        if full.startswith(self.fed_text):
-            new = full[len(self.fed_text):]
-        else:  # the template rewrote earlier text: close the turn and render only the new message
-            new = self.tok.apply_chat_template(self.messages[-1:], tokenize=False, add_generation_prompt=True)
-        self.fed_text = full
-        return new
-
-    def assistant_reply(self, text: str) -> None:
-        self.messages.append({"role": "assistant", "content": text})
-        self.fed_text += text
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-class TextStream:
-    """Incremental detokenization: each new token decodes only a short tail of the reply (not the whole
-    reply again), and text that ends inside a multi-byte character (U+FFFD) is held back until it is whole.
-    The concatenated deltas equal decoding the whole reply at once."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self._prefix = 0  # start of the tail that is decoded again
-        self._read = 0  # tokens whose text has been emitted
-        self.text = ""
-
-    def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def push(self, token: int) -> str:
-        """The new text this token completes ("" if it completes none yet)."""
-        self.ids.append(int(token))
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            delta = after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-            self.text += delta
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end)."""
-        rest = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]
-        self._prefix = self._read = len(self.ids)
-        self.text += rest
-        return rest
 
 
 def token_char_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
@@ -516,46 +452,6 @@ def describe_memory(check: dict) -> str:
     if "in_cold_store" in check:
         text += f"; in the cold store: {check['in_cold_store']} of {n}"
     return text
-
-
-def _find_stop(text: str, stop: tuple[str, ...], start: int) -> int:
-    hits = [i for s in stop if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else -1
-
-
-def generate_reply(session, tokenizer, max_new_tokens: int, stop: tuple[str, ...] = (),
-                   emit: Callable[[str], None] | None = None, with_ids: bool = False):
-    """Generate one reply token by token: (text, tokens generated, stop reason "eos" / "stop" / "length"),
-    and with_ids the emitted token ids too (the end-of-sequence one excluded).
-
-    Each token is detokenized incrementally and handed to `emit` as soon as it cannot be the start of a stop
-    string; a stop string ends the reply (the text is cut before it)."""
-    emit = emit or (lambda s: None)
-    stream = TextStream(tokenizer)
-    hold = max((len(s) for s in stop), default=1) - 1
-    shown, n, reason = 0, 0, "length"
-    while n < max_new_tokens and session.pending is not None:
-        token = session.generate(1)[0]
-        n += 1
-        if token in session.eos_ids:
-            reason = "eos"
-            break
-        stream.push(token)
-        if stop:
-            at = _find_stop(stream.text, stop, max(0, shown - hold))
-            if at >= 0:
-                emit(stream.text[shown:at])
-                return (stream.text[:at], n, "stop") + ((stream.ids,) if with_ids else ())
-        safe = len(stream.text) - hold
-        if safe > shown:
-            emit(stream.text[shown:safe])
-            shown = safe
-    stream.flush()
-    text = stream.text
-    if stop and (at := _find_stop(text, stop, max(0, shown - hold))) >= 0:
-        text, reason = text[:at], "stop"
-    emit(text[shown:])
-    return (text, n, reason) + ((stream.ids,) if with_ids else ())
 
 
 def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None, out: TextIO | None = None,
