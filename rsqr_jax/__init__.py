@@ -1,7 +1,7 @@
 """rsqr_jax: exact, cheap bounded KV caches for streaming LLMs (RSQR and every rival policy), in JAX.
 
 The public API (see README.md): policies as data, the cache spec and pytree, the one decode engine,
-sessions, sampling, streaming NLL and vmapped sweeps. Names resolve on first use (PEP 562), so importing a
+sessions and the text-level chat over one, sampling, streaming NLL and vmapped sweeps. Names resolve on first use (PEP 562), so importing a
 subpackage (the kernels, the command-line plumbing) does not import the whole engine.
 
 Layout by kind (docs/design.md, "Layout"): this package's modules are the core; `kernels` the fused
@@ -17,6 +17,7 @@ import importlib
 
 _EXPORTS = {
     "rsqr_jax.cache": ["KVCache", "init_cache", "init_policy_cache"],
+    "rsqr_jax.conversation": ["Chat"],
     "rsqr_jax.engine": ["Decoder", "stream_nll"],
     "rsqr_jax.policy": ["MODES", "Policy", "PolicyError", "full", "leave_gaps", "make_policy", "replay", "rerotate",
                         "rsqr", "rsqr_precompute", "stack_policies", "streamingllm", "unstack_policies", "window"],
