@@ -1,16 +1,13 @@
 """Experiment 1 (drift): rsqr_jax.studies.drift in-process on the tiny random model (every property the
 experiment is about), the capture of q/k against the decoder, the rotation counts against the engine's own
-step plan, and one slow smoke run of `scripts/exp_drift.py --quick` on SmolLM2-135M with the same checks.
+step plan, and one slow smoke run of `scripts/exp_drift.py --quick` on SmolLM2-135M with the same checks (in this
+process; the script runs as its own process on bad input).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +15,8 @@ import pytest
 
 from rsqr_jax.studies import drift
 from rsqr_jax.eval.runtime import ConfigError
+from tests.cli import assert_one_line_error, run_in_process, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SEED = 0  # tiny weights, random key set and token ids
 
 
@@ -292,15 +289,17 @@ def test_bad_configs():
 
 
 # ----------------------------------------------------------------------------------------------------
-# One slow smoke run of the script on SmolLM2-135M (~1-2 min on 2 cores).
+# The script: bad input as its own process; one slow smoke run on SmolLM2-135M (~1-2 min on 2 cores) in this one.
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    """A real process: exit code 2 from a fresh interpreter, one line, before any model is loaded."""
+    assert_one_line_error(run_script("exp_drift.py", "--replot", "--out", str(tmp_path)), "--replot: no ")
 
 
 @pytest.mark.slow
 def test_script_quick_smollm2(smollm2_path, tmp_path):
-    # PYTHONPATH: this checkout's packages, not whichever one the editable install points at.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_drift.py"), "--quick", "--out", str(tmp_path),
-                           "--json", "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_in_process("exp_drift.py", "--quick", "--out", str(tmp_path), "--json", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert json.loads(proc.stdout)["model"]["summary"] == res["model"]["summary"]

@@ -8,7 +8,7 @@ import pytest
 
 from rsqr_jax.studies import reproduce as R
 from rsqr_jax.studies import reproduce_arms as A
-from tests.cli import assert_one_line_error, run_script
+from tests.cli import assert_one_line_error, run_in_process, run_script
 
 
 def drive(arm) -> tuple[list[A.Call], dict]:
@@ -218,10 +218,11 @@ def test_resume_keeps_only_finished_cells(tmp_path):
 @pytest.mark.slow
 def test_quick_cli_runs_every_part(tmp_path):
     """`exp_reproduce.py --quick` (CI): a tiny random model over the SmolLM2 tokenizer through every part;
-    the JSON has a summary row per arm and the tokenisation report says the author's assumptions hold."""
+    the JSON has a summary row per arm and the tokenisation report says the author's assumptions hold. In this
+    process (tests/cli.py run_in_process); test_bad_input_is_one_line runs the script as its own process."""
     import json
 
-    r = run_script("exp_reproduce.py", "--quick", "--no-progress", "--json", "--out", str(tmp_path))
+    r = run_in_process("exp_reproduce.py", "--quick", "--no-progress", "--json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     arms = {(row["part"], row["arm"]) for row in out["summary"]}

@@ -22,7 +22,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
 from rsqr_jax.sweep import policy_grid, summarize, sweep_nll
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
-from tests.cli import assert_one_line_error, run_scripts
+from tests.cli import assert_one_line_error, run_in_process, run_scripts
 
 CFG = tiny_config()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,8 +176,8 @@ SCRIPT_ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sweep.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=SCRIPT_ENV)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "exp_sweep.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=SCRIPT_ENV)
 
 
 SWEEP_FLAGS = [
@@ -199,8 +199,8 @@ SWEEP_FLAGS = [
 @pytest.fixture(scope="module")
 def sweep_cli():
     """{args: finished process} of every SWEEP_FLAGS case, run in one batch (tests/cli.py run_scripts: one
-    interpreter); the real-model and --processes tests run sweep.py as its own process."""
-    procs = run_scripts([("sweep.py", a) for a, _ in SWEEP_FLAGS])
+    interpreter); the --processes test runs exp_sweep.py as its own process."""
+    procs = run_scripts([("exp_sweep.py", a) for a, _ in SWEEP_FLAGS])
     return {tuple(a): proc for (a, _), proc in zip(SWEEP_FLAGS, procs)}
 
 
@@ -211,9 +211,11 @@ def test_sweep_cli_bad_input(sweep_cli, args, fragment):
 
 @pytest.mark.slow
 def test_sweep_cli_real_model_writes_every_output(tmp_path, smollm2_path):
-    proc = _cli("--grid", "mode=rsqr,streamingllm window=16 delta=4 max_survivors=8", "--tokens", "40",
-                "--segment", "16", "--bucket", "16", "--devices", "1", "--out", str(tmp_path), "--no-progress",
-                "--json")
+    """In this process (tests/cli.py run_in_process: the model loaded once per run); the --processes test
+    below runs exp_sweep.py as its own process."""
+    proc = run_in_process("exp_sweep.py", "--grid", "mode=rsqr,streamingllm window=16 delta=4 max_survivors=8",
+                          "--tokens", "40", "--segment", "16", "--bucket", "16", "--devices", "1", "--out",
+                          str(tmp_path), "--no-progress", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
