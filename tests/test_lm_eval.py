@@ -7,6 +7,7 @@ requests with a window the contexts overflow; bad input gives one-line errors.""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -39,21 +40,29 @@ def _lls(resps: dict, task: str) -> np.ndarray:
                      if t == task], np.float64)
 
 
-def _evaluate(lm, tasks="rsqr_smoke"):
-    import lm_eval
+@functools.lru_cache(maxsize=None)
+def _task_manager():
+    """The local tasks only, indexed once: indexing lm-eval's own tasks too took ~30 s per TaskManager on a
+    loaded 2-core machine (measured), and every task here is a local one (eval_tasks.py indexes both)."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=TASKS, include_defaults=False)
+
+
+def _evaluate(lm, tasks="rsqr_smoke"):
+    import lm_eval
+
     return lm_eval.simple_evaluate(model=lm, tasks=[tasks], limit=LIMIT, log_samples=True,
-                                   task_manager=TaskManager(include_path=TASKS), random_seed=0, numpy_random_seed=0,
+                                   task_manager=_task_manager(), random_seed=0, numpy_random_seed=0,
                                    torch_random_seed=0, fewshot_random_seed=0)
 
 
 @pytest.mark.slow
 def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smollm2_path, smollm2_hf_model):
     # Our model through the command line (--json, --log_samples, --output_path), in this process (one model
-    # load for the whole test; lm_eval.py runs as its own process in test_bad_input_one_line_errors).
+    # load for the whole test; eval_tasks.py runs as its own process in test_bad_input_one_line_errors).
     out = tmp_path / "full"
-    proc = run_in_process("lm_eval.py", "--policy", "full", "--model", smollm2_path, "--tasks", "rsqr_smoke",
+    proc = run_in_process("eval_tasks.py", "--policy", "full", "--model", smollm2_path, "--tasks", "rsqr_smoke",
                       "--include_path", TASKS, "--limit", str(LIMIT), "--output_path", str(out), "--log_samples",
                       "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -112,7 +121,7 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
 
 
 def test_bad_input_one_line_errors():
-    assert_one_line_error(run_script("lm_eval.py", "--tasks", "rsqr_facts", "--no_such_flag", "1"),
+    assert_one_line_error(run_script("eval_tasks.py", "--tasks", "rsqr_facts", "--no_such_flag", "1"),
                           "unrecognized arguments: --no_such_flag")
     from rsqr_jax.eval.lm_eval_model import RsqrLM
     from rsqr_jax.eval.runtime import ConfigError
