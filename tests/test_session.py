@@ -20,8 +20,11 @@ from tests.cli import run_in_process as run
 from tests.tiny_session import CFG, IDENTITY, POLICIES, SPEC, make_session, model
 
 
+DATA_SEED = 2024  # the prompts', session seeds' and flipped bytes' seed: every failure message names it
+
+
 def _prompts(n: int, size: int = 13) -> list[np.ndarray]:
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = np.random.default_rng(DATA_SEED)
     return [rng.integers(0, CFG.vocab_size, size=size) for _ in range(n)]
 
 
@@ -34,13 +37,13 @@ def _state(session: Session) -> dict:
     return out
 
 
-def _assert_same_state(a: Session, b: Session) -> None:
+def _assert_same_state(a: Session, b: Session, why: str = f"data seed {DATA_SEED}") -> None:
     sa, sb = _state(a), _state(b)
-    assert sa.keys() == sb.keys()
+    assert sa.keys() == sb.keys(), why
     for k in sa:
-        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, f"{k}, {why}"
         bits = lambda x: x.reshape(-1).view(np.uint8)  # noqa: E731 - bitwise, also for bfloat16
-        np.testing.assert_array_equal(bits(sa[k]), bits(sb[k]), err_msg=k)
+        np.testing.assert_array_equal(bits(sa[k]), bits(sb[k]), err_msg=f"{k}, {why}")
 
 
 def _roundtrip(session: Session, path) -> Session:
@@ -65,7 +68,8 @@ def test_resumed_session_continues_bit_identically(tmp_path, policy, sampling):
     # The sampler's ring of recent tokens is part of the compared state.
     a, b = _prompts(2)
     temperature = sampling.temperature
-    kw = dict(sampling=sampling, seed=int(np.random.default_rng().integers(2**31)))
+    kw = dict(sampling=sampling, seed=int(np.random.default_rng(DATA_SEED).integers(2**31)))
+    seeds = f"data seed {DATA_SEED}, session seed {kw['seed']}"
 
     ref = make_session(policy, **kw)
     ref.feed(a)
@@ -82,11 +86,11 @@ def test_resumed_session_continues_bit_identically(tmp_path, policy, sampling):
     s.feed(b)
     tokens += s.generate(12)
 
-    assert tokens == ref_tokens
-    _assert_same_state(s, ref)
+    assert tokens == ref_tokens, seeds
+    _assert_same_state(s, ref, seeds)
     assert s.n_tokens == ref.n_tokens > 2 * 8  # the stream outgrew the window: evictions happened
     if temperature > 0:
-        assert len(set(ref_tokens)) > 5  # really sampled
+        assert len(set(ref_tokens)) > 5, seeds  # really sampled
 
 
 def test_resume_restores_the_rng_key(tmp_path):
@@ -100,10 +104,10 @@ def test_resume_restores_the_rng_key(tmp_path):
     want = s.generate(20)
     apply_fn, params = model()
     r = Session.load(path, apply_fn, params, IDENTITY)
-    assert r.generate(20) == want
+    assert r.generate(20) == want, f"data seed {DATA_SEED}"
     r = Session.load(path, apply_fn, params, IDENTITY)
     r.rng = jax.random.PRNGKey(7)
-    assert r.generate(20) != want
+    assert r.generate(20) != want, f"data seed {DATA_SEED}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,7 +151,7 @@ def test_flipped_bytes_are_refused_or_harmless(saved, tmp_path):
     # Any single flipped byte is either detected, or (e.g. in zip metadata nobody reads) loads the
     # exact same session: a file is never loaded wrongly.
     path, raw, original = saved
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(DATA_SEED)
     offsets = [len(raw) // 2, raw.index(b'"format"')] + list(rng.integers(0, len(raw), size=40))
     refused = 0
     for i, off in enumerate(offsets):
@@ -158,17 +162,18 @@ def test_flipped_bytes_are_refused_or_harmless(saved, tmp_path):
         try:
             loaded = _load(p)
         except SessionFileError as e:
-            assert "\n" not in str(e)
+            assert "\n" not in str(e), f"offset {off}, data seed {DATA_SEED}"
             refused += 1
             continue
-        _assert_same_state(loaded, original)
-    assert refused >= len(offsets) * 3 // 4  # nearly every byte of the file is data or checked metadata
+        _assert_same_state(loaded, original, f"offset {off}, data seed {DATA_SEED}")
+    # nearly every byte of the file is data or checked metadata
+    assert refused >= len(offsets) * 3 // 4, f"data seed {DATA_SEED}"
 
 
 def test_missing_directory_and_garbage_files_are_refused(tmp_path):
     _refused(tmp_path / "none.session", "not found")
     _refused(tmp_path, "cannot read")
-    (tmp_path / "junk").write_bytes(os.urandom(4096))
+    (tmp_path / "junk").write_bytes(np.random.default_rng(DATA_SEED).bytes(4096))
     _refused(tmp_path / "junk", "not a session file")
     np.savez(tmp_path / "other.npz", header=np.frombuffer(b'{"format": "something else"}', np.uint8))
     _refused(tmp_path / "other.npz", "is not an rsqr_jax.session file")
@@ -294,7 +299,7 @@ def test_bfloat16_cache_round_trips_bitwise(tmp_path):
     apply_fn, params = model()
     spec = dataclasses.replace(SPEC, dtype="bfloat16")
     s = Session(apply_fn, params, spec, POLICIES["rsqr"], prefill_chunk=4)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(DATA_SEED)
     s.cache = s.cache.replace(**{name: jax.numpy.asarray(rng.normal(size=getattr(s.cache, name).shape),
                                                          spec.dtype)
                                  for name in ("win_k", "win_v", "surv_k", "surv_v")})
