@@ -170,8 +170,9 @@ class Chat:
 
     def _enter(self, mode: str) -> None:
         if self._mode not in (None, mode):
-            other = "send" if self._mode == "chat" else "complete"
-            raise ValueError(f"this Chat is a {self._mode} (it used {other}()): reset() before switching")
+            used, new = ("send", "complete") if self._mode == "chat" else ("complete", "send")
+            raise ValueError(f"this Chat streams a {'conversation' if self._mode == 'chat' else 'completion'} "
+                             f"(send and complete do not mix): reset() before {new}() after {used}()")
         self._mode = mode
 
     def _reply(self, ids, max_new_tokens, stop, on_text) -> str:
