@@ -180,3 +180,37 @@ def cached_positions(cache: KVCache, policy: Policy) -> np.ndarray:
     in_window = set(int(g) for g in win if g >= max(w0, 0))
     kept = set(int(g) for g in surv if 0 <= g < w0)
     return np.array(sorted(in_window | kept), dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# K/V storage. bfloat16 K/V on CPU travel through the layer scan as their uint16 bits (`update.step` bitcasts
+# once per step): XLA:CPU has no bfloat16 dynamic-update-slice/select, so it converts the *whole*
+# [L, ...] buffer to float32 and back around every write - per layer, per step - and loses the in-place
+# update; that made a bfloat16 cache ~2x slower per decode step than float32 (~7x under vmap). uint16
+# writes stay in place and the stored bits are identical.
+BITS_DTYPE = jnp.uint16
+
+
+def logical_dtype(buf: jax.Array):
+    return jnp.dtype(jnp.bfloat16) if buf.dtype == BITS_DTYPE else buf.dtype
+
+
+def read_layer(buf: jax.Array, layer) -> jax.Array:
+    """One layer of a K/V buffer, in its logical dtype."""
+    x = buf[layer]
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
+
+
+def write_kv(buf: jax.Array, idx, update: jax.Array) -> jax.Array:
+    """buf.at[idx].set(update, mode="drop") for a K/V buffer in its storage dtype (bits or not)."""
+    update = update.astype(logical_dtype(buf))
+    if buf.dtype == BITS_DTYPE:
+        update = jax.lax.bitcast_convert_type(update, BITS_DTYPE)
+    return buf.at[idx].set(update, mode="drop")
+
+
+def gather_layer_slots(buf: jax.Array, layer, slots_BxR) -> jax.Array:
+    """buf[layer, b, h, slots_BxR[b]] for an [L, B, Hkv, N, D] buffer: [B, Hkv, R, D] as stored, one gather from
+    the whole buffer (a slice of the layer would be a copy of its whole store, see recall.write_cold)."""
+    B, H = buf.shape[1], buf.shape[2]
+    return buf[layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots_BxR[:, None, :]]

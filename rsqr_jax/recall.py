@@ -1,7 +1,8 @@
-"""The recall tier (DESIGN section 3b): which cold pages a layer recalls and how the recalled tokens join
-the raw segment. Storage (the cold ring and its page summaries) is written by rsqr_jax.update; this module
-only reads it: page scores (the query against each page's mean key, or Quest's per-channel bound), the
-top-K choice, and the raw segment extended with the recalled tokens at their ranks."""
+"""The recall tier (docs/design.md §3b), the one module that writes and reads the cold store: each layer's
+raw K/V into the cold ring and its page summaries (`write_cold`), page scores (the query against each page's
+best or mean key, or Quest's per-channel bound), the top-R choice with neighbours, the recalled K/V
+(`read_cold_slots`), and the raw segment extended with them at their ranks (`extend_raw_segment`). Where each
+token's cold slot is (the ring's bookkeeping) is planned once per step with the rest (rsqr_jax.update)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from typing import TYPE_CHECKING
+
+from rsqr_jax.cache import BITS_DTYPE, gather_layer_slots, write_kv
 from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split
 from rsqr_jax.policy import order_index
+from rsqr_jax.rope import rotate_keys
+
+if TYPE_CHECKING:
+    from rsqr_jax.cache import KVCache
+    from rsqr_jax.update import StepPlan
 
 
 # Pages scored per block while the store fills (recalled_tokens): a layer scores only the blocks that hold a
@@ -58,11 +67,11 @@ def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, in
     key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k), or
     with k_glob every key itself: the page's best recallable token, max q . k (the "max" rule; the mean
     misses facts mid-stream, docs/recall_tier.md)."""
-    return _scores(_query_BxCxKxGxD(q_BxCxHqxD, cold_sum_BxHkvxPgxD.shape[1], recall, inv_freq), cold_sum_BxHkvxPgxD,
+    return _scores(_query_BxCxHkvxGxD(q_BxCxHqxD, cold_sum_BxHkvxPgxD.shape[1], recall, inv_freq), cold_sum_BxHkvxPgxD,
                    cold_pos_Nc, recall.token_valid_Nc, recall.q_real_C, lo_BxHkvxPgxD, hi_BxHkvxPgxD, k_glob_BxHkvxNcxD)
 
 
-def _query_BxCxKxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Array:
+def _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Array:
     """The queries rotated at their global positions, grouped by KV head (float32)."""
     B, C, Hq, D = q_BxCxHqxD.shape
     cos, sin = rope_cos_sin(recall.q_global_C, inv_freq)  # [C, D/2]
@@ -70,7 +79,7 @@ def _query_BxCxKxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Arra
     return q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
 
 
-def _scores(q_BxCxKxGxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, valid_Nc, q_real_C, lo_BxHkvxPgxD, hi_BxHkvxPgxD,
+def _scores(q_BxCxHkvxGxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, valid_Nc, q_real_C, lo_BxHkvxPgxD, hi_BxHkvxPgxD,
             k_glob_BxHkvxNcxD) -> jax.Array:
     """page_scores of a run of consecutive pages (their summaries, slots' positions and validity): each page's
     score depends on that page alone, so a block of pages scores exactly as it does inside the whole store."""
@@ -78,14 +87,14 @@ def _scores(q_BxCxKxGxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, valid_Nc, q_real_C, l
     Pg = cold_pos_Nc.shape[0] // n_pages
     count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
     if k_glob_BxHkvxNcxD is not None:
-        return _best_token(q_BxCxKxGxD, k_glob_BxHkvxNcxD, valid_Nc[None], q_real_C, Pg)
+        return _best_token(q_BxCxHkvxGxD, k_glob_BxHkvxNcxD, valid_Nc[None], q_real_C, Pg)
     if lo_BxHkvxPgxD is None:
         mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
-        s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxKxGxD, mean, precision=jax.lax.Precision.HIGHEST)
+        s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxHkvxGxD, mean, precision=jax.lax.Precision.HIGHEST)
     else:
         filled = (count_Pg > 0)[:, None]
         lo, hi = jnp.where(filled, lo_BxHkvxPgxD, 0.0), jnp.where(filled, hi_BxHkvxPgxD, 0.0)
-        qx = q_BxCxKxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Pg, D]
+        qx = q_BxCxHkvxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Pg, D]
         s = jnp.sum(jnp.maximum(qx * lo[:, None, :, None], qx * hi[:, None, :, None]), axis=-1)
     s = jnp.where(q_real_C[None, :, None, None, None], s, -jnp.inf)
     s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
@@ -106,7 +115,7 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recal
     Pg = cold_pos_Nc.shape[0] // n_pages
     # At least two pages: XLA lowers a dot with a single page differently (the mean rule's scores moved by an ulp).
     M = min(max(recall.score_block, 2), n_pages)
-    q_BxCxKxGxD = _query_BxCxKxGxD(q_BxCxHqxD, Hkv, recall, inv_freq)
+    q_BxCxHkvxGxD = _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv, recall, inv_freq)
     quest = lo_BxHkvxPgxD is not None
 
     def block(j, scores_BxPg):
@@ -116,7 +125,7 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recal
         k = None
         if gather_glob is not None:
             k = gather_glob(jnp.broadcast_to(p0 * Pg + jnp.arange(M * Pg, dtype=jnp.int32), (B, M * Pg)))
-        s = _scores(q_BxCxKxGxD, pages(cold_sum_BxHkvxPgxD), slots(cold_pos_Nc), slots(recall.token_valid_Nc),
+        s = _scores(q_BxCxHkvxGxD, pages(cold_sum_BxHkvxPgxD), slots(cold_pos_Nc), slots(recall.token_valid_Nc),
                     recall.q_real_C, pages(lo_BxHkvxPgxD) if quest else None,
                     pages(hi_BxHkvxPgxD) if quest else None, k)
         return jax.lax.dynamic_update_slice_in_dim(scores_BxPg, s, p0, axis=1)
@@ -125,10 +134,10 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recal
     return jax.lax.fori_loop(0, n_blocks, block, jnp.full((B, n_pages), -jnp.inf, jnp.float32))
 
 
-def _best_token(q_BxCxKxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.Array:
+def _best_token(q_BxCxHkvxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.Array:
     """max over each run of Pg keys (a page) of q . k, over real rows and all heads; [B, N / Pg] (-inf for a
     page with no valid key)."""
-    s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxKxGxD, k_BxHkvxNxD, precision=jax.lax.Precision.HIGHEST)
+    s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxHkvxGxD, k_BxHkvxNxD, precision=jax.lax.Precision.HIGHEST)
     s = jnp.where(q_real_C[None, :, None, None, None] & valid_BxN[:, None, None, None, :], s, -jnp.inf)
     return jnp.max(s.reshape(s.shape[:4] + (s.shape[4] // Pg, Pg)), axis=(1, 2, 3, 5))
 
@@ -183,17 +192,17 @@ def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax
     return idx, active
 
 
-def with_neighbors(idx_BxK, active_BxK, cold_pos_Nc, n_pages: int, n: int) -> tuple[jax.Array, jax.Array]:
-    """The chosen pages and the n pages on each side of each ([B, K * (2n + 1)] indices and an active mask):
+def with_neighbors(idx_BxR, active_BxR, cold_pos_Nc, n_pages: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """The chosen pages and the n pages on each side of each ([B, R * (2n + 1)] indices and an active mask):
     a neighbour is the page of the ring that holds the tokens right before / after (at the ring's seam the
     adjacent slot holds other tokens: inactive), and a page chosen twice is active once."""
-    B, K = idx_BxK.shape
+    B, R = idx_BxR.shape
     Pg = cold_pos_Nc.shape[0] // n_pages
     off_J = jnp.arange(-n, n + 1)
-    pages = (idx_BxK[:, :, None] + off_J) % n_pages  # [B, K, J]
+    pages = (idx_BxR[:, :, None] + off_J) % n_pages  # [B, R, J]
     newest_Pg = jnp.max(cold_pos_Nc.reshape(n_pages, Pg), axis=1)
-    adjacent = jnp.abs(newest_Pg[pages] - newest_Pg[idx_BxK][:, :, None] - off_J * Pg) < Pg
-    pages, act = pages.reshape(B, -1), (active_BxK[:, :, None] & adjacent).reshape(B, -1)
+    adjacent = jnp.abs(newest_Pg[pages] - newest_Pg[idx_BxR][:, :, None] - off_J * Pg) < Pg
+    pages, act = pages.reshape(B, -1), (active_BxR[:, :, None] & adjacent).reshape(B, -1)
     M = pages.shape[1]
     earlier_MxM = jnp.arange(M)[None, :] < jnp.arange(M)[:, None]  # [j, i]: i comes before j
     dup = jnp.any((pages[:, :, None] == pages[:, None, :]) & act[:, None, :] & earlier_MxM, axis=-1)
@@ -249,3 +258,62 @@ def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_s
     rot_pos = jnp.where(recall.in_kernel & valid, rank, jnp.pad(surv_rot_pos_BxS, ((0, 0), (0, rec_gpos_BxR.shape[1]))))
     q_pos_surv = q_pos_surv_BxC + jnp.sum(rec_valid_BxR, axis=1, dtype=jnp.int32)[:, None]
     return k, v, rot_pos, valid, q_pos_surv
+
+
+# ----------------------------------------------------------------------------------------------------
+# The cold store's writes and reads (one layer's part of a step; rsqr_jax.layer_step calls them).
+
+
+def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
+    """The chunk's raw K/V into the cold ring, and each page's summary of its keys rotated at their global
+    positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
+    the stored key stays raw. A restarted page's summary starts afresh.
+
+    Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
+    of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
+    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise). Every write is a scatter at the chunk's
+    slots and pages into the [L, ...] buffer, in place; every read a gather from it (never a slice of the
+    layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
+    5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
+    back cost a slice, two copies and a write of it per layer and step, the store empty or not)."""
+    wr = plan.writes
+    at = (layer, slice(None), slice(None), wr.cold_slot_C)
+    cold_k = write_kv(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
+    cold_v = write_kv(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
+    rot_BxHxCxD = rotate_keys(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
+    n_pages = cache.cold_sum.shape[3]
+    # Out-of-range pages (tokens not stored) are dropped: reset the pages the chunk starts, then combine.
+    restart = (layer, slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
+    page = (layer, slice(None), slice(None), wr.cold_page_C)
+    rot_CxBxHxD = jnp.moveaxis(rot_BxHxCxD, 2, 0)
+    B = cache.cold_sum.shape[1]
+    all_pages = jnp.broadcast_to(jnp.arange(n_pages, dtype=jnp.int32), (B, n_pages))
+
+    def summarize(buf, reset, combine):
+        buf = getattr(buf.at[restart].set(reset, mode="drop").at[page], combine)(rot_CxBxHxD, mode="drop")
+        return buf, lambda: gather_layer_slots(buf, layer, all_pages)
+
+    cold_sum, layer_sum = summarize(cache.cold_sum, 0.0, "add")
+    out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
+    lo = hi = lambda: jnp.zeros(cache.cold_lo.shape[1:], cache.cold_lo.dtype)  # noqa: E731  (no Quest pages)
+    glob = None
+    if cache.cold_lo.shape[3]:
+        (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
+                                                      summarize(cache.cold_hi, -jnp.inf, "max"))
+    if cache.cold_k_glob.shape[3]:
+        # The "max" rule's scoring copy: written in place like cold_k, and read back like the recalled K/V, as
+        # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
+        # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the
+        # docstring).
+        k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
+        glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
+    return cache.replace(**out), (layer_sum, lo, hi, glob)
+
+
+def read_cold_slots(cache: KVCache, layer, slots_BxR) -> tuple[jax.Array, jax.Array]:
+    """Raw K and V [B, Hkv, R, D] of the given cold slots of one layer, in their logical dtype."""
+    def take(buf):
+        x = gather_layer_slots(buf, layer, slots_BxR)
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
+
+    return take(cache.cold_k), take(cache.cold_v)

@@ -1,9 +1,9 @@
-"""The one owner of the per-step update: which slot each new token goes to, which positions the kernel
-sees, what upkeep each policy runs, and the positions committed afterwards (DESIGN sections 3-5).
+"""The caller's side of a step (docs/design.md §3-5): which slot each new token goes to, which positions the
+kernel sees, what upkeep each policy runs, and the positions committed afterwards.
 
-A step is planned once (`plan_step`, shared by every layer), then every layer writes its K/V and runs
-its upkeep (`update_layer`, called by the model once per layer through `attend_layer`), then the caller
-commits `plan.next` (`step` does all three for a chunk). Policy-specific work is read from the mode
+A step is planned once (`plan_step`, shared by every layer); the model runs, and each of its layers calls
+`rsqr_jax.layer_step.attend_layer` with the plan (K/V writes, upkeep, the cold store, attention); then the
+new positions are committed (`commit`). `step` does all three for a chunk and never runs inside the model. Policy-specific work is read from the mode
 traits table (`policy.MODE_TRAITS`) and guarded by `lax.cond`, so a single fixed policy pays only for its
 own branch (under `vmap` a cond becomes a select: the price of a mixed sweep).
 """
@@ -16,13 +16,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split
-from rsqr_jax import attention
 from rsqr_jax import policy as P
 from rsqr_jax import recall as _recall
-from rsqr_jax.cache import KV_FIELDS, KVCache, init_cache
+from rsqr_jax.cache import BITS_DTYPE, KV_FIELDS, KVCache, init_cache
 from rsqr_jax.policy import Policy, is_flagged, mode_traits, order_index, window_start
-from rsqr_jax.recall import Recall, extend_raw_segment, recalled_tokens
+from rsqr_jax.recall import Recall
 from rsqr_jax.spec import CacheSpec
 
 ApplyFn = Callable  # (params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache)
@@ -239,205 +237,12 @@ def commit(cache: KVCache, plan: StepPlan) -> KVCache:
     return cache.replace(**{f.name: getattr(plan.next, f.name) for f in dataclasses.fields(Positions)})
 
 
-# ----------------------------------------------------------------------------------------------------
-# K/V storage. bfloat16 K/V on CPU travel through the layer scan as their uint16 bits (`step` bitcasts
-# once per step): XLA:CPU has no bfloat16 dynamic-update-slice/select, so it converts the *whole*
-# [L, ...] buffer to float32 and back around every write - per layer, per step - and loses the in-place
-# update; that made a bfloat16 cache ~2x slower per decode step than float32 (~7x under vmap). uint16
-# writes stay in place and the stored bits are identical.
-BITS_DTYPE = jnp.uint16
-
-
-def _logical_dtype(buf: jax.Array):
-    return jnp.dtype(jnp.bfloat16) if buf.dtype == BITS_DTYPE else buf.dtype
-
-
-def _get(buf: jax.Array, layer) -> jax.Array:
-    """One layer of a K/V buffer, in its logical dtype."""
-    x = buf[layer]
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
-
-
-def _set(buf: jax.Array, idx, update: jax.Array) -> jax.Array:
-    """buf.at[idx].set(update, mode="drop") for a K/V buffer in its storage dtype (bits or not)."""
-    update = update.astype(_logical_dtype(buf))
-    if buf.dtype == BITS_DTYPE:
-        update = jax.lax.bitcast_convert_type(update, BITS_DTYPE)
-    return buf.at[idx].set(update, mode="drop")
-
-
 def _bits_on_cpu(cache: KVCache) -> bool:
     return cache.win_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
 
 
 def _kv_bitcast(cache: KVCache, dtype) -> KVCache:
     return cache.replace(**{f: jax.lax.bitcast_convert_type(getattr(cache, f), dtype) for f in KV_FIELDS})
-
-
-def _layer_slots(buf: jax.Array, layer, slots_BxR) -> jax.Array:
-    """buf[layer, b, h, slots_BxR[b]] for an [L, B, Hkv, N, D] buffer: [B, Hkv, R, D] as stored, one gather from
-    the whole buffer (a slice of the layer would be a copy of its whole store, see _write_cold)."""
-    B, H = buf.shape[1], buf.shape[2]
-    return buf[layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots_BxR[:, None, :]]
-
-
-def _gather_slots(cache: KVCache, layer, slots_BxR) -> tuple[jax.Array, jax.Array]:
-    """Raw K and V [B, Hkv, R, D] of the given cold slots of one layer, in their logical dtype."""
-    def take(buf):
-        x = _layer_slots(buf, layer, slots_BxR)
-        return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
-
-    return take(cache.cold_k), take(cache.cold_v)
-
-
-def _rotate_BxHxNxD(k, pos_N, inv_freq):
-    """R_pos k for keys [B, H, N, D] at positions pos_N [N] (float32 result)."""
-    cos, sin = rope_cos_sin(pos_N, inv_freq)  # [N, D/2]
-    return rotate_half_split(k, cos, sin)
-
-
-def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array, cache: KVCache,
-                 plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
-    """Write this chunk's K/V of layer `layer` and run the policy's upkeep on that layer.
-
-    Returns the cache (only K/V arrays change: dynamic-update-slices of the scan carry, in place under
-    jit), this layer's kernel segments (win_k, win_v, seg_k, seg_v), each [B, Hkv, N, D], and with a cold
-    store readers of this layer's page summaries (`_write_cold`; None without one).
-    """
-    wr, up = plan.writes, plan.upkeep
-    dt = _logical_dtype(cache.win_k)
-    k_BxHxCxD = jnp.swapaxes(k_BxCxHkvxD, 1, 2)
-    v_BxHxCxD = jnp.swapaxes(v_BxCxHkvxD, 1, 2).astype(dt)
-    at = lambda slot: (layer, slice(None), slice(None), slot)  # noqa: E731
-    win_new = _rotate_BxHxNxD(k_BxHxCxD, wr.win_rot_pos_C, inv_freq).astype(dt)
-    win_k = _set(cache.win_k, at(wr.win_slot_C), jnp.moveaxis(win_new, 2, 0))
-    win_v = _set(cache.win_v, at(wr.win_slot_C), jnp.moveaxis(v_BxHxCxD, 2, 0))
-    surv_k, surv_v, surv_k_rot = cache.surv_k, cache.surv_v, cache.surv_k_rot
-    has_surv = surv_k.shape[3] > 0
-    if has_surv:
-        surv_new = _rotate_BxHxNxD(k_BxHxCxD, wr.surv_rot_pos_C, inv_freq).astype(dt)
-        surv_k = _set(surv_k, at(wr.surv_slot_C), jnp.moveaxis(surv_new, 2, 0))
-        surv_v = _set(surv_v, at(wr.surv_slot_C), jnp.moveaxis(v_BxHxCxD, 2, 0))
-
-    # rerotate: rotate stored keys again by the rank decrease, rounding to the storage dtype each hop.
-    # The conds act on this layer's slice only: under vmap (a policy sweep) a cond becomes a select of
-    # its outputs, and selecting the whole [L, ...] stack in every layer made sweeps ~2.5x slower.
-    def hop(k, old, new, mask):
-        moved = _rotate_BxHxNxD(k, new - old, inv_freq).astype(dt)
-        return jnp.where(mask[:, None], moved, k)
-
-    win_k = _set(win_k, layer, jax.lax.cond(
-        up.rerotate, lambda k: hop(k, up.win_rot_old_W, up.win_rot_new_W, up.win_hop_W), lambda k: k,
-        _get(win_k, layer)))
-    if has_surv:
-        surv_k = _set(surv_k, layer, jax.lax.cond(
-            up.rerotate, lambda k: hop(k, up.surv_rot_old_S, up.surv_rot_new_S, up.surv_hop_S), lambda k: k,
-            _get(surv_k, layer)))
-
-    # rsqr_precompute: rotate new/renumbered survivors from raw at their rank into the copy.
-    if surv_k_rot.shape[3]:
-        def refresh(copy):
-            fresh = _rotate_BxHxNxD(_get(surv_k, layer), up.surv_rank_S, inv_freq).astype(dt)
-            return jnp.where(up.refresh_S[:, None], fresh, copy)
-
-        surv_k_rot = _set(surv_k_rot, layer, jax.lax.cond(up.refresh, refresh, lambda c: c, _get(surv_k_rot, layer)))
-
-    # streamingllm: every cached key is rotated from raw at its rank, every step.
-    seg_win_k = jax.lax.cond(up.rotate_window,
-                             lambda k: _rotate_BxHxNxD(k, up.win_rank_W, inv_freq).astype(dt), lambda k: k,
-                             _get(win_k, layer))
-    seg_surv_k = _get(surv_k, layer)
-    if surv_k_rot.shape[3]:
-        seg_surv_k = jax.lax.cond(up.use_precompute, lambda: _get(surv_k_rot, layer), lambda: seg_surv_k)
-    cache = cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v, surv_k_rot=surv_k_rot)
-    summaries = None
-    if cache.cold_pos.shape[0]:
-        cache, summaries = _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache, plan, inv_freq)
-    return cache, (seg_win_k, _get(win_v, layer), seg_surv_k, _get(surv_v, layer)), summaries
-
-
-def _write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
-    """The chunk's raw K/V into the cold ring, and each page's summary of its keys rotated at their global
-    positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
-    the stored key stays raw. A restarted page's summary starts afresh.
-
-    Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
-    of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
-    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise). Every write is a scatter at the chunk's
-    slots and pages into the [L, ...] buffer, in place; every read a gather from it (never a slice of the
-    layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
-    5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
-    back cost a slice, two copies and a write of it per layer and step, the store empty or not)."""
-    wr = plan.writes
-    at = (layer, slice(None), slice(None), wr.cold_slot_C)
-    cold_k = _set(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
-    cold_v = _set(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
-    rot_BxHxCxD = _rotate_BxHxNxD(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
-    n_pages = cache.cold_sum.shape[3]
-    # Out-of-range pages (tokens not stored) are dropped: reset the pages the chunk starts, then combine.
-    restart = (layer, slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
-    page = (layer, slice(None), slice(None), wr.cold_page_C)
-    rot_CxBxHxD = jnp.moveaxis(rot_BxHxCxD, 2, 0)
-    B = cache.cold_sum.shape[1]
-    all_pages = jnp.broadcast_to(jnp.arange(n_pages, dtype=jnp.int32), (B, n_pages))
-
-    def summarize(buf, reset, combine):
-        buf = getattr(buf.at[restart].set(reset, mode="drop").at[page], combine)(rot_CxBxHxD, mode="drop")
-        return buf, lambda: _layer_slots(buf, layer, all_pages)
-
-    cold_sum, layer_sum = summarize(cache.cold_sum, 0.0, "add")
-    out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
-    lo = hi = lambda: jnp.zeros(cache.cold_lo.shape[1:], cache.cold_lo.dtype)  # noqa: E731  (no Quest pages)
-    glob = None
-    if cache.cold_lo.shape[3]:
-        (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
-                                                      summarize(cache.cold_hi, -jnp.inf, "max"))
-    if cache.cold_k_glob.shape[3]:
-        # The "max" rule's scoring copy: written in place like cold_k, and read back like the recalled K/V, as
-        # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
-        # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the
-        # docstring).
-        k_glob = out["cold_k_glob"] = _set(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
-        glob = lambda slots_BxR: _layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
-    return cache.replace(**out), (layer_sum, lo, hi, glob)
-
-
-def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
-                 cache: KVCache, plan: StepPlan, inv_freq, *, kernel: str = "xla") -> tuple[jax.Array, KVCache]:
-    """What a model layer calls: update this layer's cache (`update_layer`), then attend over both segments.
-
-    Returns the attention output [B, C, Hq, D] and the cache; positions are committed once per step
-    by `step` (from `plan.next`), not here.
-    """
-    cache, (win_k, win_v, surv_k, surv_v), summaries = update_layer(layer, k_BxCxHkvxD, v_BxCxHkvxD, cache, plan,
-                                                                    inv_freq)
-    ka = plan.kernel
-    B = q_BxCxHqxD.shape[0]
-    bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
-    surv_rot_pos, surv_valid, q_pos_surv = bc(ka.surv_rot_pos_S), bc(ka.surv_valid_S), bc(ka.q_pos_surv_C)
-
-    def attend(surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv):
-        return attention.attend(q_BxCxHqxD, win_k, win_v, bc(ka.win_pos_W), surv_k, surv_v, surv_rot_pos,
-                                surv_valid, bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
-
-    plain = (surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv)
-    rc = plan.recall
-    if not rc.max_pages:
-        return attend(*plain), cache
-
-    def with_recall():  # the recall tier (rsqr_jax.recall)
-        read_sum, read_lo, read_hi, glob = summaries
-        rec = recalled_tokens(q_BxCxHqxD, lambda slots: _gather_slots(cache, layer, slots), read_sum(), read_lo(),
-                              read_hi(), glob, plan.next.cold_pos, rc, ka.surv_valid_S, inv_freq)
-        return attend(*extend_raw_segment(*plain, rc, *rec))
-
-    if not rc.score_block:  # every page scored at every step, the store empty or not
-        return with_recall(), cache
-    # Nothing recallable (the store is still empty, or recall_pages = 0): the layer neither scores, gathers nor
-    # attends recalled slots. The recalled slots would all be invalid, and masked slots change no bit of the
-    # attention (tests/test_recall.py). Only the attention output leaves the cond, so under vmap (where it is a
-    # select that runs both branches) the price is one plain attention per layer, not a select of the cache.
-    return jax.lax.cond(rc.live_pages > 0, with_recall, lambda: attend(*plain)), cache
 
 
 # ----------------------------------------------------------------------------------------------------

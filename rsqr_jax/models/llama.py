@@ -2,7 +2,7 @@
 
 Layer weights are stacked on a leading axis and the layers run under one `lax.scan`, so compile time
 does not grow with depth. Attention is not implemented here: each layer hands its raw q/k/v to
-`rsqr_jax.update.attend_layer`, which owns RoPE, the cache and every eviction policy.
+`rsqr_jax.layer_step.attend_layer`, which owns RoPE, the cache and every eviction policy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from flax import nnx
 
 from rsqr_jax.models.config import ModelConfig
 from rsqr_jax.cache import KVCache
-from rsqr_jax.update import StepPlan, attend_layer
+from rsqr_jax.layer_step import attend_layer
+from rsqr_jax.update import StepPlan
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
