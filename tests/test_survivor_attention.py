@@ -159,7 +159,7 @@ def test_lowers_to_pallas_triton(dtype, C, S, exact):
 
 def test_oracle_by_hand_gqa_and_masks():
     """oracle_f64 on one decode row, written out per head: query head h reads KV head h // G, window slots
-    are visible iff 0 <= pos <= q_pos_win, invalid survivors are not, survivors rotate at surv_pos."""
+    are visible iff 0 <= pos <= q_pos_win, invalid survivors are not, survivors rotate at surv_rot_pos."""
     inp, inv = kernel_inputs(5, B=1, C=1, Hq=6, Hkv=2, D=16, W=7, S=5, dtype=jnp.float32, empty_window=2)
     a = {k: np.asarray(v) for k, v in inp.items()}
     got = oracle_f64(*args_of(inp), inv)
@@ -167,14 +167,14 @@ def test_oracle_by_hand_gqa_and_masks():
         kv = h // 3
         qw = rope_f64(a["q"][0, 0, h], a["q_pos_win"][0, 0], inv)
         qs = rope_f64(a["q"][0, 0, h], a["q_pos_surv"][0, 0], inv)
-        surv = [rope_f64(k, p, inv) for k, p in zip(a["surv_k_raw"][0, kv], a["surv_pos"][0])]
+        surv = [rope_f64(k, p, inv) for k, p in zip(a["surv_k"][0, kv], a["surv_rot_pos"][0])]
         keys = list(a["win_k"][0, kv]) + surv
         vals = list(a["win_v"][0, kv]) + list(a["surv_v"][0, kv])
         vis = [0 <= p <= a["q_pos_win"][0, 0] for p in a["win_pos"][0]] + list(a["surv_valid"][0])
         scores = [np.dot(k, qw if i < 7 else qs) / 4.0 for i, k in enumerate(keys)]
         w = np.array([np.exp(s) if v else 0.0 for s, v in zip(scores, vis)])
         np.testing.assert_allclose(got[0, 0, h], w @ np.array(vals, np.float64) / w.sum(), rtol=1e-10)
-    assert (a["win_pos"] == -1).sum() == 2 and list(a["surv_pos"][0]) == [0, 1, 2, 3, 4]
+    assert (a["win_pos"] == -1).sum() == 2 and list(a["surv_rot_pos"][0]) == [0, 1, 2, 3, 4]
 
 
 def test_rotation_table_is_exact_and_out_of_table_ranks_are_loud():
@@ -192,10 +192,10 @@ def test_rotation_table_is_exact_and_out_of_table_ranks_are_loud():
                                                            whole_segment_bytes=0))
     assert rel_err(xla_blocks(*args_of(inp)), oracle_f64(*args_of(inp), inv)) < 1e-4  # 16-key blocks: 2 + a tail of 8
     valid = np.asarray(inp["surv_valid"])
-    pos = np.asarray(inp["surv_pos"]).copy()
+    pos = np.asarray(inp["surv_rot_pos"]).copy()
     pos[~valid] = 10**6  # invalid slots: any rank
     pos[0, np.flatnonzero(valid[0])[0]] = 24 + 40  # one valid rank just past the table, batch row 0 only
-    bad = dict(inp, surv_pos=jnp.asarray(pos))
+    bad = dict(inp, surv_rot_pos=jnp.asarray(pos))
     for out in (xla_blocks(*args_of(bad)), survivor_attention(*args_of(bad), inv, interpret=True, num_splits=1)):
         out = np.asarray(out)
         assert np.isnan(out[0]).all() and rel_err(out[1], oracle_f64(*args_of(bad), inv)[1]) < 1e-4

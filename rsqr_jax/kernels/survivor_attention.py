@@ -1,13 +1,14 @@
 """Two-segment survivor attention (docs/design.md §6): the contract, its pure-jnp reference, and the kernel.
 
-    out = survivor_attention(q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid,
+    out = survivor_attention(q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid,
                              q_pos_win, q_pos_surv, inv_freq, *, scale=None, interpret=None)
 
 * q [B, C, Hq, D] raw queries; Hq = G * Hkv (GQA).
 * win_k / win_v [B, Hkv, W, D]: window keys already rotated at their positions; win_pos [B, W] int32
   (-1 = empty). Query c sees slot w iff 0 <= win_pos[w] <= q_pos_win[c] (causal inside a chunk).
-* surv_k_raw / surv_v [B, Hkv, S, D]: raw survivor keys, rotated here at surv_pos [B, S] int32;
-  surv_valid [B, S] bool. Position 0 is the exact identity, so pre-rotated keys can use this
+* surv_k / surv_v [B, Hkv, S, D]: the survivor segment's keys, rotated here at their rotation position
+  surv_rot_pos [B, S] int32 (a rank; the cache's global positions never reach the kernel); surv_valid [B, S]
+  bool. RSQR's survivors are raw; rotation position 0 is the exact identity, so pre-rotated keys use this
   segment too (that is how leave_gaps / rerotate / rsqr_precompute reuse it).
 * q_pos_win / q_pos_surv [B, C] int32: where the query is rotated for each segment (relocation).
 * inv_freq [D/2] float32. Angles are reduced exactly (rsqr_jax.kernels.exact_rope) when it is concrete.
@@ -38,7 +39,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def survivor_attention_reference(
-    q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
+    q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
     *, scale=None,
 ):
     """Pure-jnp reference of the contract above (float32 math, one softmax over both segments)."""
@@ -48,13 +49,13 @@ def survivor_attention_reference(
     scale = D**-0.5 if scale is None else scale
     hp = jax.lax.Precision.HIGHEST
 
-    q_BxCxKxGxD = q.astype(jnp.float32).reshape(B, C, Hkv, G, D)
+    q_BxCxHkvxGxD = q.astype(jnp.float32).reshape(B, C, Hkv, G, D)
     cos_w, sin_w = rope_cos_sin(q_pos_win, inv_freq)  # [B, C, D/2]
     cos_s, sin_s = rope_cos_sin(q_pos_surv, inv_freq)
-    qw = rotate_half_split(q_BxCxKxGxD, cos_w[:, :, None, None], sin_w[:, :, None, None])
-    qs = rotate_half_split(q_BxCxKxGxD, cos_s[:, :, None, None], sin_s[:, :, None, None])
-    cos_k, sin_k = rope_cos_sin(surv_pos, inv_freq)  # [B, S, D/2]
-    ks = rotate_half_split(surv_k_raw, cos_k[:, None], sin_k[:, None])  # [B, Hkv, S, D] float32
+    qw = rotate_half_split(q_BxCxHkvxGxD, cos_w[:, :, None, None], sin_w[:, :, None, None])
+    qs = rotate_half_split(q_BxCxHkvxGxD, cos_s[:, :, None, None], sin_s[:, :, None, None])
+    cos_k, sin_k = rope_cos_sin(surv_rot_pos, inv_freq)  # [B, S, D/2]
+    ks = rotate_half_split(surv_k, cos_k[:, None], sin_k[:, None])  # [B, Hkv, S, D] float32
 
     s_win = jnp.einsum("bckgd,bkwd->bkgcw", qw, win_k.astype(jnp.float32), precision=hp) * scale
     s_surv = jnp.einsum("bckgd,bksd->bkgcs", qs, ks, precision=hp) * scale
@@ -70,8 +71,8 @@ def survivor_attention_reference(
     W = win_k.shape[2]
     o = jnp.einsum("bkgcw,bkwd->bckgd", p[..., :W], win_v.astype(jnp.float32), precision=hp)
     o = o + jnp.einsum("bkgcs,bksd->bckgd", p[..., W:], surv_v.astype(jnp.float32), precision=hp)
-    denom_BxCxKxG = jnp.moveaxis(denom[..., 0], -1, 1)[..., None]
-    o = o / jnp.where(denom_BxCxKxG > 0, denom_BxCxKxG, 1.0)
+    denom_BxCxHkvxG = jnp.moveaxis(denom[..., 0], -1, 1)[..., None]
+    o = o / jnp.where(denom_BxCxHkvxG > 0, denom_BxCxHkvxG, 1.0)
     return o.reshape(B, C, Hq, D).astype(q.dtype)
 
 
@@ -127,7 +128,7 @@ def _table_rows(table, pos):
 #     list, so window and survivor blocks are spread over all splits alike. One online softmax
 #     (m, l, o) runs over whatever part of both segments a program holds.
 #   * Survivor keys are rotated from raw inside the kernel, per key tile: cos/sin rows gathered from
-#     the rotation table at surv_pos (no integer reduction, no transcendental per key) and the score as
+#     the rotation table at surv_rot_pos (no integer reduction, no transcendental per key) and the score as
 #     two half-width dots  s = q1 . k1' + q2 . k2'  with  k1' = k1 cos - k2 sin,  k2' = k2 cos + k1 sin,
 #     the halves read with separate ref slices (no value slicing or concatenation in the kernel).
 #   * The loops are branch-free (no lax.cond, so every load sits in the loop body where Triton can
@@ -322,7 +323,7 @@ def _query_angles(pos, freq, exact):
                      "num_stages", "masked"),
 )
 def _survivor_attention_parts(
-    q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
+    q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
     *, scale, interpret, block_k, block_s, block_q, num_splits, exact, num_warps, num_stages, masked=True,
 ):
     """Runs the kernel; returns the per-split (o, m, l) [B, Hkv, J, Rp, (D)] to merge.
@@ -330,7 +331,7 @@ def _survivor_attention_parts(
     freq: the query angles' input (turn words, or inv_freq when not exact); table: [T, D] rotations."""
     B, C, Hq, D = q.shape
     Hkv, W = win_k.shape[1], win_k.shape[2]
-    S = surv_k_raw.shape[2]
+    S = surv_k.shape[2]
     G = Hq // Hkv
     if Hq % Hkv or D % 2 or D & (D - 1) or D < 2 * _MIN_BLOCK:
         raise ValueError(f"need Hq % Hkv == 0 and D a power of two >= 32, got {q.shape=} {win_k.shape=}")
@@ -344,11 +345,11 @@ def _survivor_attention_parts(
     rows = C * G
     R = max(_MIN_BLOCK, _next_pow2(rows)) if rows <= block_q else block_q
     Rp = _round_up(rows, R)
-    q_BxCxKxGxD = q.astype(f32).reshape(B, C, Hkv, G, D)
+    q_BxCxHkvxGxD = q.astype(f32).reshape(B, C, Hkv, G, D)
 
     def rotated_rows(pos_BxC):
         ang = _query_angles(pos_BxC, freq, exact)[:, :, None, None]  # [B, C, 1, 1, F]
-        x = rotate_half_split(q_BxCxKxGxD, jnp.cos(ang), jnp.sin(ang))
+        x = rotate_half_split(q_BxCxHkvxGxD, jnp.cos(ang), jnp.sin(ang))
         x = jnp.transpose(x, (0, 2, 1, 3, 4)).reshape(B, Hkv, rows, D)
         return jnp.pad(x, ((0, 0), (0, 0), (0, Rp - rows), (0, 0))).astype(kv_dtype)
 
@@ -365,9 +366,9 @@ def _survivor_attention_parts(
 
     win_k, win_v = pad_keys(win_k, W, Wp), pad_keys(win_v, W, Wp)
     win_pos = jnp.pad(win_pos.astype(jnp.int32), ((0, 0), (0, Wp - W)), constant_values=-1)
-    surv_k_raw = pad_keys(surv_k_raw.astype(kv_dtype), S, Sp)
+    surv_k = pad_keys(surv_k.astype(kv_dtype), S, Sp)
     surv_v = pad_keys(surv_v.astype(kv_dtype), S, Sp)
-    surv_pos = jnp.pad(surv_pos.astype(jnp.int32), ((0, 0), (0, Sp - S)))
+    surv_rot_pos = jnp.pad(surv_rot_pos.astype(jnp.int32), ((0, 0), (0, Sp - S)))
     surv_valid = jnp.pad(surv_valid.astype(jnp.int32), ((0, 0), (0, Sp - S)))
     table = jnp.asarray(table, f32)
 
@@ -414,7 +415,7 @@ def _survivor_attention_parts(
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret,
         name="survivor_attention",
-    )(qw, qs, qpos, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, table)
+    )(qw, qs, qpos, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, table)
     return o, m, l
 
 
@@ -438,7 +439,7 @@ def _angle_input(inv_freq, exact_angles):
 
 
 def survivor_attention(
-    q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
+    q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
     *, scale=None, interpret=None, block_k=None, block_s=None, block_q=32, num_splits=None, exact_angles=None,
     num_warps=None, num_stages=2, skip_empty_blocks=True, rank_limit=None,
 ):
@@ -463,13 +464,13 @@ def survivor_attention(
     scale = float(D**-0.5 if scale is None else scale)
     freq, exact = _angle_input(inv_freq, exact_angles)
     B, C, Hq, _ = q.shape
-    Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k_raw.shape[2]
+    Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k.shape[2]
     table = rotation_table(inv_freq, _table_len(W, S, rank_limit), exact)
     default_k, default_s = default_blocks(win_k.dtype)
     block_k = default_k if block_k is None else block_k
     block_s = min(block_k, default_s) if block_s is None else block_s
     o, m, l = _survivor_attention_parts(
-        q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
+        q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
         scale=scale, interpret=bool(interpret), block_k=block_k, block_s=block_s, block_q=block_q,
         num_splits=num_splits, exact=exact, num_warps=num_warps, num_stages=num_stages,
         masked=bool(skip_empty_blocks),
@@ -500,10 +501,10 @@ def survivor_attention(
 WHOLE_SEGMENT_BYTES = 16 << 20
 
 
-def _survivor_scores(qs_BxCxKxGxD, surv_k_raw, surv_pos, table, block_bytes, whole_bytes):
-    """[B, Hkv, G, C, S] scores of the (scaled, rotated) queries against survivors rotated at surv_pos."""
-    B, C, Hkv, G, D = qs_BxCxKxGxD.shape
-    S = surv_k_raw.shape[2]
+def _survivor_scores(qs_BxCxHkvxGxD, surv_k, surv_rot_pos, table, block_bytes, whole_bytes):
+    """[B, Hkv, G, C, S] scores of the (scaled, rotated) queries against survivors rotated at surv_rot_pos."""
+    B, C, Hkv, G, D = qs_BxCxHkvxGxD.shape
+    S = surv_k.shape[2]
     hp = jax.lax.Precision.HIGHEST
     f32 = jnp.float32
     F = D // 2
@@ -514,14 +515,14 @@ def _survivor_scores(qs_BxCxKxGxD, surv_k_raw, surv_pos, table, block_bytes, who
         block = min(S, max(16, 1 << max(1, int(block_bytes // key_bytes)).bit_length() - 1))
 
     def scores(start, n):
-        k = lax.dynamic_slice_in_dim(surv_k_raw, start, n, axis=2).astype(f32)  # [B, Hkv, n, D]
-        cos, sin = _table_rows(table, lax.dynamic_slice_in_dim(surv_pos, start, n, axis=1))  # [B, n, F]
+        k = lax.dynamic_slice_in_dim(surv_k, start, n, axis=2).astype(f32)  # [B, Hkv, n, D]
+        cos, sin = _table_rows(table, lax.dynamic_slice_in_dim(surv_rot_pos, start, n, axis=1))  # [B, n, F]
         cos_D = jnp.concatenate([cos, cos], axis=-1)[:, None]  # [B, 1, n, D]: shared by the KV heads
         sin_D = jnp.concatenate([-sin, sin], axis=-1)[:, None]
         # (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin) as k * cos_D + swap_halves(k) * sin_D: one
         # multiply-add over whole rows, ~20% faster on XLA:CPU than forming the halves and concatenating.
         k_rot = k * cos_D + jnp.concatenate([k[..., F:], k[..., :F]], axis=-1) * sin_D
-        return jnp.einsum("bckgd,bknd->bkgcn", qs_BxCxKxGxD, k_rot, precision=hp)
+        return jnp.einsum("bckgd,bknd->bkgcn", qs_BxCxHkvxGxD, k_rot, precision=hp)
 
     n_full = S // block
     if n_full <= 1 and S % block == 0:
@@ -535,7 +536,7 @@ def _survivor_scores(qs_BxCxKxGxD, surv_k_raw, surv_pos, table, block_bytes, who
 
 
 def survivor_attention_xla(
-    q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
+    q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
     *, scale=None, rank_limit=None, block_bytes=4 << 20, whole_segment_bytes=WHOLE_SEGMENT_BYTES,
 ):
     """The contract above in plain XLA, tuned for CPU (see the comment block above).
@@ -544,17 +545,17 @@ def survivor_attention_xla(
     block_bytes: size of one block of rotated survivor keys (float32, all batch rows and KV heads) when
     all of them would exceed whole_segment_bytes."""
     B, C, Hq, D = q.shape
-    Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k_raw.shape[2]
+    Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k.shape[2]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
     hp = jax.lax.Precision.HIGHEST
     f32 = jnp.float32
 
-    q_BxCxKxGxD = q.astype(f32).reshape(B, C, Hkv, G, D)
+    q_BxCxHkvxGxD = q.astype(f32).reshape(B, C, Hkv, G, D)
     cos_w, sin_w = rope_cos_sin(q_pos_win, inv_freq)  # tiny: [B, C, D/2]
     cos_s, sin_s = rope_cos_sin(q_pos_surv, inv_freq)
-    qw = rotate_half_split(q_BxCxKxGxD, cos_w[:, :, None, None], sin_w[:, :, None, None]) * scale
-    qs = rotate_half_split(q_BxCxKxGxD, cos_s[:, :, None, None], sin_s[:, :, None, None]) * scale
+    qw = rotate_half_split(q_BxCxHkvxGxD, cos_w[:, :, None, None], sin_w[:, :, None, None]) * scale
+    qs = rotate_half_split(q_BxCxHkvxGxD, cos_s[:, :, None, None], sin_s[:, :, None, None]) * scale
 
     def partial(s, v, mask):  # s [B, Hkv, G, C, N], mask [B, C, N]
         mask = mask[:, None, None]
@@ -571,7 +572,7 @@ def survivor_attention_xla(
         parts.append(partial(jnp.einsum("bckgd,bknd->bkgcn", qw, win_k.astype(f32), precision=hp), win_v, m_win))
     if S:
         table = rotation_table(inv_freq, _table_len(W, S, rank_limit), _is_concrete(inv_freq))
-        s_surv = _survivor_scores(qs, surv_k_raw, surv_pos, table, block_bytes, whole_segment_bytes)
+        s_surv = _survivor_scores(qs, surv_k, surv_rot_pos, table, block_bytes, whole_segment_bytes)
         parts.append(partial(s_surv, surv_v, m_surv))
     if not parts:
         return jnp.zeros_like(q)

@@ -16,7 +16,7 @@ import numpy as np
 
 from rsqr_jax.testing.oracle import rope_f64
 
-KERNEL_ARGS = ("q", "win_k", "win_v", "win_pos", "surv_k_raw", "surv_v", "surv_pos", "surv_valid", "q_pos_win",
+KERNEL_ARGS = ("q", "win_k", "win_v", "win_pos", "surv_k", "surv_v", "surv_rot_pos", "surv_valid", "q_pos_win",
                "q_pos_surv")
 N_SINK = 4  # the first survivor slots (ranks 0..3) hold the sinks, as in the cache
 
@@ -27,13 +27,13 @@ def rope_inv_freq(D: int, base: float = 10000.0) -> np.ndarray:
 
 
 
-def oracle_f64(q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_valid, q_pos_win, q_pos_surv,
+def oracle_f64(q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv,
                inv_freq, scale=None) -> np.ndarray:
     """float64 [B, C, Hq, D] of the contract: one softmax over the visible window slots and valid survivors;
     a row that sees nothing is exactly zero."""
     f = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    q, win_k, win_v, surv_k_raw, surv_v = map(f, (q, win_k, win_v, surv_k_raw, surv_v))
-    win_pos, surv_pos, surv_valid, q_pos_win, q_pos_surv = map(np.asarray, (win_pos, surv_pos, surv_valid, q_pos_win,
+    q, win_k, win_v, surv_k, surv_v = map(f, (q, win_k, win_v, surv_k, surv_v))
+    win_pos, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv = map(np.asarray, (win_pos, surv_rot_pos, surv_valid, q_pos_win,
                                                                             q_pos_surv))
     B, C, Hq, D = q.shape
     Hkv = win_k.shape[1]
@@ -41,7 +41,7 @@ def oracle_f64(q, win_k, win_v, win_pos, surv_k_raw, surv_v, surv_pos, surv_vali
     q_BxCxHkvxGxD = q.reshape(B, C, Hkv, Hq // Hkv, D)
     qw = rope_f64(q_BxCxHkvxGxD, q_pos_win[:, :, None, None], inv_freq)
     qs = rope_f64(q_BxCxHkvxGxD, q_pos_surv[:, :, None, None], inv_freq)
-    ks = rope_f64(surv_k_raw, surv_pos[:, None, :], inv_freq)
+    ks = rope_f64(surv_k, surv_rot_pos[:, None, :], inv_freq)
     s_win = np.einsum("bckgd,bkwd->bckgw", qw, win_k) * scale
     s_surv = np.einsum("bckgd,bksd->bckgs", qs, ks) * scale
     vis_win = ((win_pos[:, None, :] >= 0) & (win_pos[:, None, :] <= q_pos_win[:, :, None]))[:, :, None, None]
@@ -78,7 +78,7 @@ def kernel_inputs(seed: int, *, B, C, Hq, Hkv, D, W, S, dtype, t0=None, empty_wi
         win_pos[b, rng.choice(W, size=min(empty_window, W), replace=False)] = -1
     if all_window_empty:
         win_pos[:] = -1
-    surv_pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))
+    surv_rot_pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))
     surv_valid = rng.random((B, S)) >= surv_invalid_frac
     win_k = rope_f64(rng.standard_normal((B, Hkv, W, D)), np.maximum(win_pos, 0)[:, None, :], inv)
     q_pos_win = np.tile(np.arange(t0, t0 + C, dtype=np.int32), (B, 1))
@@ -89,9 +89,9 @@ def kernel_inputs(seed: int, *, B, C, Hq, Hkv, D, W, S, dtype, t0=None, empty_wi
         win_k=cast(win_k),
         win_v=cast(rng.standard_normal((B, Hkv, W, D))),
         win_pos=jnp.asarray(win_pos),
-        surv_k_raw=cast(rng.standard_normal((B, Hkv, S, D))),
+        surv_k=cast(rng.standard_normal((B, Hkv, S, D))),
         surv_v=cast(rng.standard_normal((B, Hkv, S, D))),
-        surv_pos=jnp.asarray(surv_pos),
+        surv_rot_pos=jnp.asarray(surv_rot_pos),
         surv_valid=jnp.asarray(surv_valid),
         q_pos_win=jnp.asarray(q_pos_win),
         q_pos_surv=jnp.asarray(q_pos_surv),
