@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import site
 import subprocess
 import sys
@@ -21,9 +22,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
+    """The wheel of a copy of the checkout's sources (an in-tree build/ would keep modules since removed)."""
+    src, out = tmp_path_factory.mktemp("src") / "rsqr_jax", tmp_path_factory.mktemp("dist")
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "runs", "*.egg-info",
+                                                             "__pycache__", ".pytest_cache", ".hypothesis"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-w", str(out), str(REPO)], capture_output=True, text=True)
+                           "-w", str(out), str(src)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (whl,) = out.glob("rsqr_jax-*.whl")
     return whl
