@@ -117,7 +117,7 @@ def test_separate_steps_score_like_the_vmapped_one(model, text):
 
 def _script(*args: str):
     env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's packages, not the editable install's
-    return [sys.executable, str(REPO / "scripts" / "soak.py"), *args], dict(cwd=REPO, env=env, text=True)
+    return [sys.executable, str(REPO / "scripts" / "exp_soak.py"), *args], dict(cwd=REPO, env=env, text=True)
 
 
 @pytest.mark.slow
@@ -172,5 +172,5 @@ SOAK_FLAGS = [
 
 
 def test_soak_bad_input_is_one_line():
-    """Every case in one batch (tests/cli.py run_scripts); the slow test above runs soak.py as its own process."""
-    assert_one_line_errors([("soak.py", args, fragment) for args, fragment in SOAK_FLAGS])
+    """Every case in one batch (tests/cli.py run_scripts); the slow test above runs exp_soak.py as its own process."""
+    assert_one_line_errors([("exp_soak.py", args, fragment) for args, fragment in SOAK_FLAGS])
