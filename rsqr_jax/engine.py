@@ -8,8 +8,12 @@ the cache, so it is updated in place.
 
     dec = Decoder(apply_fn, spec)                         # policy as data (any policy of the spec)
     logits_BxCxV, cache = dec.feed(params, tokens_BxC, cache, policy, n_valid)
-    cache, nll_KxBxC = dec.score(params, cache, policy, tokens_KxBxC, targets_KxBxC, n_valid_K)
-    out = dec.generate(params, cache, policy, pending_B, state, sampling.values(), n_steps, eos_E)
+    nll_KxBxC, cache = dec.score(params, tokens_KxBxC, targets_KxBxC, cache, policy, n_valid_K)
+    out = dec.generate(params, pending_B, cache, policy, state, sampling.values(), n_steps, eos_E)
+
+Every method, in each mode (one policy, a vmapped policy batch, many streams), takes its arguments in one
+order: params, what it consumes (tokens, targets, pending tokens), the cache, the policy, then the rest; it
+returns what it computed first, then the cache (then the sampler state, where it draws).
 
 `fixed_policy` (the policy's field values) bakes one policy in as constants: XLA then folds every mode
 test of the update and drops the branches that policy never takes (what a Session wants).
@@ -195,11 +199,12 @@ class Decoder:
         return _feed_and_sample(self, params, tokens_BxC, cache, policy, jnp.asarray(n_valid, jnp.int32),
                                 self.sampler_state(state, tokens_BxC.shape[0]), self._values(sampling))
 
-    def score(self, params, cache: KVCache, policy: Policy | None, tokens_KxBxC, targets_KxBxC, n_valid_K):
-        """Stream K chunks under one lax.scan: (cache, NLL [(P,) K, B, C] of each target token)."""
-        return _score(self, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_valid_K)
+    def score(self, params, tokens_KxBxC, targets_KxBxC, cache: KVCache, policy: Policy | None, n_valid_K):
+        """Stream K chunks under one lax.scan: (NLL [(P,) K, B, C] of each target token, cache)."""
+        cache, nll = _score(self, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_valid_K)
+        return nll, cache
 
-    def generate(self, params, cache: KVCache, policy: Policy | None, pending_B, state,
+    def generate(self, params, pending_B, cache: KVCache, policy: Policy | None, state,
                  sampling: Sampling | SamplingValues | None, n_steps, eos_ids) -> Generated:
         """Up to min(n_steps, gen_block) generation steps in one compiled lax.while_loop (no host round trip
         per token). Each step emits every row's pending token; a row that emits an end-of-sequence id is
@@ -222,7 +227,7 @@ class Decoder:
         return _feed_streams(self, params, tokens_NxC, cache, policy, jnp.asarray(n_valid_N, jnp.int32),
                              jnp.asarray(reset_N, bool), self.sampler_state(state_N, N), self._values(sampling_N, N))
 
-    def generate_streams(self, params, cache: KVCache, policy: Policy | None, pending_N, budget_N, state_N,
+    def generate_streams(self, params, pending_N, cache: KVCache, policy: Policy | None, budget_N, state_N,
                          sampling_N: Sampling | SamplingValues | None, eos_ids, feed_only_N=None,
                          reset_N=None) -> "StreamsGenerated":
         """vmap_streams: up to gen_block generation steps in one compiled while_loop. Each step, every stream
@@ -494,7 +499,7 @@ def stream_nll(apply_fn: Callable, params, tokens_BxT, policy: Policy | list[Pol
         cache = dec.init_cache(P.policy_size(policy) if vmap_policies else None)
     out = []
     for s in range(n_seg):
-        cache, nll = dec.score(params, cache, policy, to_KxBxC(inputs, s), to_KxBxC(targets, s), jnp.asarray(valid[s]))
+        nll, cache = dec.score(params, to_KxBxC(inputs, s), to_KxBxC(targets, s), cache, policy, jnp.asarray(valid[s]))
         out.append(np.asarray(nll))
         if progress is not None:
             progress(min((s + 1) * segment, n_pred))

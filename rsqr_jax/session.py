@@ -147,7 +147,7 @@ class Session:
             t0 = time.perf_counter()
             scratch = jax.tree.map(jnp.copy, self.cache)
             if name == "generate":
-                out = self.decoder.generate(self.params, scratch, None, jnp.zeros((1,), jnp.int32), self.state,
+                out = self.decoder.generate(self.params, jnp.zeros((1,), jnp.int32), scratch, None, self.state,
                                             self._values, 0, self.eos_ids)
             else:
                 c = self.prefill_chunk if name == "prefill" else 1
@@ -206,7 +206,7 @@ class Session:
             n = min(max_new_tokens - len(out), self.decoder.gen_block)
             # Every emitted token but an end-of-sequence one is fed: room for n of them.
             self._check_room(n)
-            res = self.decoder.generate(self.params, self.cache, None, jnp.asarray([self.pending], jnp.int32),
+            res = self.decoder.generate(self.params, jnp.asarray([self.pending], jnp.int32), self.cache, None,
                                         self.state, self._values, n, self.eos_ids)
             self.cache, (self.rng, self.recent) = res.cache, res.state
             k = int(res.n_steps)

@@ -215,7 +215,7 @@ class StreamScheduler:
             self.params, np.zeros((self.n_slots, self.prefill_chunk), np.int32), scratch, None, zeros,
             np.zeros(self.n_slots, bool), state, self._values()))
         scratch = jax.tree.map(jnp.copy, self.cache)
-        jax.block_until_ready(self.decoder.generate_streams(self.params, scratch, None, zeros, zeros, state,
+        jax.block_until_ready(self.decoder.generate_streams(self.params, zeros, scratch, None, zeros, state,
                                                             self._values(), self.eos_ids))
         self.compile_s += time.perf_counter() - t0
 
@@ -265,7 +265,7 @@ class StreamScheduler:
         pending = np.array([s.pending if s is not None and s.budget > 0 else 0 for s in self.slots], np.int32)
         budget = np.array([s.budget if s is not None else 0 for s in self.slots], np.int32)
         feed_only = np.array([s is not None and s.feed_only for s in self.slots], bool)
-        res = self.decoder.generate_streams(self.params, self.cache, None, pending, budget, self._state(),
+        res = self.decoder.generate_streams(self.params, pending, self.cache, None, budget, self._state(),
                                             self._values(), self.eos_ids, feed_only, self._fresh.copy())
         self._fresh[:] = False
         self.cache, self.rng_N, self.recent_N = res.cache, np.array(res.state_N.rng), res.state_N.recent

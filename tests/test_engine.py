@@ -66,7 +66,7 @@ def test_generate_loop_equals_feeding_token_by_token(policy):
     ref_cache = jax.tree.map(jnp.copy, cache)
     got, pending = [], nxt
     for _ in range(4):  # 4 blocks of 5 = 20 tokens, one host round trip per block
-        out = dec.generate(params, cache, None, pending, rng, Sampling(), 5, eos_ids=())
+        out = dec.generate(params, pending, cache, None, rng, Sampling(), 5, eos_ids=())
         cache, rng, pending = out.cache, out.state, out.pending_B
         assert int(out.n_steps) == 5 and not bool(out.done_B[0])
         got += [int(t) for t in np.asarray(out.tokens_BxK[0])]
@@ -85,11 +85,11 @@ def test_generate_stops_at_end_of_sequence_without_feeding_it():
     prompt = _seeded("eos").integers(0, CFG.vocab_size, size=(1, 3))
     rng = jax.random.PRNGKey(1)
     nxt, cache, rng = dec.feed_and_sample(params, prompt, dec.init_cache(), None, 3, rng, Sampling())
-    free = dec.generate(params, jax.tree.map(jnp.copy, cache), None, nxt, rng, Sampling(), 8, eos_ids=())
+    free = dec.generate(params, nxt, jax.tree.map(jnp.copy, cache), None, rng, Sampling(), 8, eos_ids=())
     stream = [int(t) for t in np.asarray(free.tokens_BxK[0])]
     eos = stream[3]  # the 4th greedy token, declared end-of-sequence
     stop = stream.index(eos)
-    out = dec.generate(params, cache, None, nxt, rng, Sampling(), 8, eos_ids=(eos,))
+    out = dec.generate(params, nxt, cache, None, rng, Sampling(), 8, eos_ids=(eos,))
     assert bool(out.done_B[0]) and int(out.n_steps) == stop + 1
     assert [int(t) for t in np.asarray(out.tokens_BxK[0, :stop + 1])] == stream[:stop + 1]
     assert (np.asarray(out.tokens_BxK[0, stop + 1:]) == -1).all()

@@ -290,7 +290,7 @@ def ask(dec, params, cache, policy, q_BxQ, chunk: int, n_gen: int) -> np.ndarray
     Q = q_BxQ.shape[1]
     rng = jax.random.PRNGKey(0)  # unused: greedy
     first_B, fork, rng = dec.feed_and_sample(params, np.pad(q_BxQ, ((0, 0), (0, chunk - Q))), fork, policy, Q, rng)
-    out = dec.generate(params, fork, policy, first_B, rng, None, n_gen - 1, ())  # feeds n_gen - 1 tokens
+    out = dec.generate(params, first_B, fork, policy, rng, None, n_gen - 1, ())  # feeds n_gen - 1 tokens
     return np.concatenate([np.asarray(out.tokens_BxK[:, :n_gen - 1]), np.asarray(out.pending_B)[:, None]], axis=1)
 
 
