@@ -139,3 +139,16 @@ def test_memory_demo_facts_leave_the_device_cache_and_plain_rsqr_loses_them(smol
     assert all(r["memory"]["in_cold_store"] == len(r["memory"]["fact_positions"]) for r in rows["rsqr_recall"])
     named_plain = sum(sum(r["answer_names"].values()) for r in rows["rsqr"])
     assert named_plain <= 1, [r["replies"][-1] for r in rows["rsqr"]]
+
+
+def test_given_flags_are_the_flags_on_the_command_line_and_the_defaults_survive():
+    from rsqr_jax.cli.chat import given_flags
+    from rsqr_jax.cli.decode import build_parser
+
+    parser = build_parser()
+    before = vars(parser.parse_args([]))
+    argv = ["--prompt", "hi", "--stop", ".", "--stop", "!", "--window", "256", "--raw"]  # 256 is the default window
+    assert given_flags(parser, argv) == {"prompt", "stop", "window", "raw"}
+    assert given_flags(parser, []) == set()
+    assert vars(parser.parse_args([])) == before  # the markers are gone again
+    assert parser.parse_args(argv).stop == [".", "!"]

@@ -259,18 +259,23 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
     return prompt
 
 
+class _NotGiven(list):
+    """The default every flag gets while given_flags parses: a list, so an `append` flag can extend its copy."""
+
+
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The dests of the flags actually given on the command line (not left at their defaults): only those
-    can conflict with a resumed session. (argparse records no provenance: parse once more with every
-    default suppressed.)"""
-    saved = {id(a): a.default for a in parser._actions}
+    can conflict with a resumed session. argparse records no provenance, so argv is parsed once more with
+    every default set to a marker (public API only: set_defaults / get_default), then the defaults restored."""
+    dests = vars(parser.parse_args(argv))
+    saved = {d: parser.get_default(d) for d in dests}
+    marker = _NotGiven()
+    parser.set_defaults(**{d: marker for d in dests})
     try:
-        for a in parser._actions:
-            a.default = argparse.SUPPRESS
-        return set(vars(parser.parse_args(argv)))
+        again = vars(parser.parse_args(argv))
     finally:
-        for a in parser._actions:
-            a.default = saved[id(a)]
+        parser.set_defaults(**saved)
+    return {d for d, v in again.items() if v is not marker}
 
 
 # command-line dest -> where its value lives in a session file's policy header
