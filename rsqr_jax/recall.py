@@ -59,16 +59,16 @@ class Recall:
     score_block: int = 0
 
 
-def page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
-                hi_BxHkvxPgxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
-    """Recall score of every cold page for this layer's queries, [B, Pg] (-inf for pages with nothing
+def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
+                hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
+    """Recall score of every cold page for this layer's queries, [B, Np] (-inf for pages with nothing
     recallable), maximised over the chunk's real rows, the query heads of a group and the KV heads. The
     query is rotated at its global position; a page is summarized by its keys rotated at theirs: the mean
     key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k), or
     with k_glob every key itself: the page's best recallable token, max q . k (the "max" rule; the mean
     misses facts mid-stream, docs/recall_tier.md)."""
-    return _scores(_query_BxCxHkvxGxD(q_BxCxHqxD, cold_sum_BxHkvxPgxD.shape[1], recall, inv_freq), cold_sum_BxHkvxPgxD,
-                   cold_pos_Nc, recall.token_valid_Nc, recall.q_real_C, lo_BxHkvxPgxD, hi_BxHkvxPgxD, k_glob_BxHkvxNcxD)
+    return _scores(_query_BxCxHkvxGxD(q_BxCxHqxD, cold_sum_BxHkvxNpxD.shape[1], recall, inv_freq), cold_sum_BxHkvxNpxD,
+                   cold_pos_Nc, recall.token_valid_Nc, recall.q_real_C, lo_BxHkvxNpxD, hi_BxHkvxNpxD, k_glob_BxHkvxNcxD)
 
 
 def _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Array:
@@ -79,31 +79,31 @@ def _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Ar
     return q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
 
 
-def _scores(q_BxCxHkvxGxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, valid_Nc, q_real_C, lo_BxHkvxPgxD, hi_BxHkvxPgxD,
+def _scores(q_BxCxHkvxGxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, valid_Nc, q_real_C, lo_BxHkvxNpxD, hi_BxHkvxNpxD,
             k_glob_BxHkvxNcxD) -> jax.Array:
     """page_scores of a run of consecutive pages (their summaries, slots' positions and validity): each page's
     score depends on that page alone, so a block of pages scores exactly as it does inside the whole store."""
-    n_pages = cold_sum_BxHkvxPgxD.shape[2]
+    n_pages = cold_sum_BxHkvxNpxD.shape[2]
     Pg = cold_pos_Nc.shape[0] // n_pages
-    count_Pg = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
+    count_Np = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
     if k_glob_BxHkvxNcxD is not None:
         return _best_token(q_BxCxHkvxGxD, k_glob_BxHkvxNcxD, valid_Nc[None], q_real_C, Pg)
-    if lo_BxHkvxPgxD is None:
-        mean = cold_sum_BxHkvxPgxD / jnp.maximum(count_Pg, 1)[:, None]
+    if lo_BxHkvxNpxD is None:
+        mean = cold_sum_BxHkvxNpxD / jnp.maximum(count_Np, 1)[:, None]
         s = jnp.einsum("bckgd,bkpd->bckgp", q_BxCxHkvxGxD, mean, precision=jax.lax.Precision.HIGHEST)
     else:
-        filled = (count_Pg > 0)[:, None]
-        lo, hi = jnp.where(filled, lo_BxHkvxPgxD, 0.0), jnp.where(filled, hi_BxHkvxPgxD, 0.0)
-        qx = q_BxCxHkvxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Pg, D]
+        filled = (count_Np > 0)[:, None]
+        lo, hi = jnp.where(filled, lo_BxHkvxNpxD, 0.0), jnp.where(filled, hi_BxHkvxNpxD, 0.0)
+        qx = q_BxCxHkvxGxD[..., None, :]  # [B, C, Hkv, G, 1, D] against [B, 1, Hkv, 1, Np, D]
         s = jnp.sum(jnp.maximum(qx * lo[:, None, :, None], qx * hi[:, None, :, None]), axis=-1)
     s = jnp.where(q_real_C[None, :, None, None, None], s, -jnp.inf)
-    s = jnp.max(s, axis=(1, 2, 3))  # [B, Pg]
-    valid_Pg = jnp.any(valid_Nc.reshape(n_pages, Pg), axis=1)
-    return jnp.where(valid_Pg[None], s, -jnp.inf)
+    s = jnp.max(s, axis=(1, 2, 3))  # [B, Np]
+    valid_Np = jnp.any(valid_Nc.reshape(n_pages, Pg), axis=1)
+    return jnp.where(valid_Np[None], s, -jnp.inf)
 
 
-def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxPgxD=None,
-                     hi_BxHkvxPgxD=None, gather_glob=None) -> jax.Array:
+def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
+                     hi_BxHkvxNpxD=None, gather_glob=None) -> jax.Array:
     """page_scores computed only over the first recall.live_pages pages: blocks of
     recall.score_block pages under a loop whose trip count is the number of blocks that hold anything
     (the last block is moved back to end at the last page; pages it scores twice get the same score), every
@@ -111,24 +111,24 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxPgxD, cold_pos_Nc, recall: Recal
     XLA:CPU, tests/test_recall.py). gather_glob(slots_BxR) -> [B, Hkv, R, D]: the "max" rule's scoring copy at those
     slots (None for the other rules). A store that fills pays for its fill, not its capacity."""
     B = q_BxCxHqxD.shape[0]
-    Hkv, n_pages = cold_sum_BxHkvxPgxD.shape[1], cold_sum_BxHkvxPgxD.shape[2]
+    Hkv, n_pages = cold_sum_BxHkvxNpxD.shape[1], cold_sum_BxHkvxNpxD.shape[2]
     Pg = cold_pos_Nc.shape[0] // n_pages
     # At least two pages: XLA lowers a dot with a single page differently (the mean rule's scores moved by an ulp).
     M = min(max(recall.score_block, 2), n_pages)
     q_BxCxHkvxGxD = _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv, recall, inv_freq)
-    quest = lo_BxHkvxPgxD is not None
+    quest = lo_BxHkvxNpxD is not None
 
-    def block(j, scores_BxPg):
+    def block(j, scores_BxNp):
         p0 = jnp.minimum(j * M, n_pages - M)
         pages = lambda x: jax.lax.dynamic_slice_in_dim(x, p0, M, axis=2)  # noqa: E731
         slots = lambda x: jax.lax.dynamic_slice_in_dim(x, p0 * Pg, M * Pg)  # noqa: E731
         k = None
         if gather_glob is not None:
             k = gather_glob(jnp.broadcast_to(p0 * Pg + jnp.arange(M * Pg, dtype=jnp.int32), (B, M * Pg)))
-        s = _scores(q_BxCxHkvxGxD, pages(cold_sum_BxHkvxPgxD), slots(cold_pos_Nc), slots(recall.token_valid_Nc),
-                    recall.q_real_C, pages(lo_BxHkvxPgxD) if quest else None,
-                    pages(hi_BxHkvxPgxD) if quest else None, k)
-        return jax.lax.dynamic_update_slice_in_dim(scores_BxPg, s, p0, axis=1)
+        s = _scores(q_BxCxHkvxGxD, pages(cold_sum_BxHkvxNpxD), slots(cold_pos_Nc), slots(recall.token_valid_Nc),
+                    recall.q_real_C, pages(lo_BxHkvxNpxD) if quest else None,
+                    pages(hi_BxHkvxNpxD) if quest else None, k)
+        return jax.lax.dynamic_update_slice_in_dim(scores_BxNp, s, p0, axis=1)
 
     n_blocks = (recall.live_pages + M - 1) // M
     return jax.lax.fori_loop(0, n_blocks, block, jnp.full((B, n_pages), -jnp.inf, jnp.float32))
@@ -142,15 +142,15 @@ def _best_token(q_BxCxHkvxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax
     return jnp.max(s.reshape(s.shape[:4] + (s.shape[4] // Pg, Pg)), axis=(1, 2, 3, 5))
 
 
-def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, inv_freq, gather_k) -> jax.Array:
+def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, inv_freq, gather_k) -> jax.Array:
     """The "shortlist" rule: the recall.shortlist pages of best mean key (page_scores' "mean"), each rescored
     by its best recallable token, max q . k, from its raw keys (gather_k(slots_BxR) -> [B, Hkv, R, D]) rotated
     at their global positions; every other page -inf. The "max" rule's answer whenever its top pages are on
     the shortlist, at O(store / page + shortlist * page) per step and no scoring copy (docs/recall_tier.md)."""
     B, C, Hq, D = q_BxCxHqxD.shape
-    n_pages = mean_scores_BxPg.shape[1]
+    n_pages = mean_scores_BxNp.shape[1]
     Pg, M = cold_pos_Nc.shape[0] // n_pages, recall.shortlist
-    idx, listed = choose_pages(mean_scores_BxPg, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
+    idx, listed = choose_pages(mean_scores_BxNp, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
     slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
     k_BxHkvxRxD = gather_k(slots_BxR).astype(jnp.float32)
     Hkv = k_BxHkvxRxD.shape[1]
@@ -181,13 +181,13 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxPg, cold_pos_Nc, recall: Recall, 
     return jnp.full((B, n_pages), -jnp.inf, jnp.float32).at[rows, idx].set(jnp.where(listed, best_BxM, -jnp.inf))
 
 
-def choose_pages(scores_BxPg, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax.Array, jax.Array]:
+def choose_pages(scores_BxNp, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax.Array, jax.Array]:
     """Top-k_pages pages per row ([B, max_pages] indices and an active mask); ties go to the more recent page."""
-    n_pages = scores_BxPg.shape[1]
-    newest_Pg = jnp.max(cold_pos_Nc.reshape(n_pages, -1), axis=1)
-    order = jnp.lexsort((jnp.broadcast_to(-newest_Pg, scores_BxPg.shape), -scores_BxPg), axis=-1)
+    n_pages = scores_BxNp.shape[1]
+    newest_Np = jnp.max(cold_pos_Nc.reshape(n_pages, -1), axis=1)
+    order = jnp.lexsort((jnp.broadcast_to(-newest_Np, scores_BxNp.shape), -scores_BxNp), axis=-1)
     idx = order[:, :max_pages]
-    chosen = jnp.take_along_axis(scores_BxPg, idx, axis=1)
+    chosen = jnp.take_along_axis(scores_BxNp, idx, axis=1)
     active = (jnp.arange(max_pages)[None] < k_pages) & (chosen > -jnp.inf)
     return idx, active
 
@@ -200,8 +200,8 @@ def with_neighbors(idx_BxR, active_BxR, cold_pos_Nc, n_pages: int, n: int) -> tu
     Pg = cold_pos_Nc.shape[0] // n_pages
     off_J = jnp.arange(-n, n + 1)
     pages = (idx_BxR[:, :, None] + off_J) % n_pages  # [B, R, J]
-    newest_Pg = jnp.max(cold_pos_Nc.reshape(n_pages, Pg), axis=1)
-    adjacent = jnp.abs(newest_Pg[pages] - newest_Pg[idx_BxR][:, :, None] - off_J * Pg) < Pg
+    newest_Np = jnp.max(cold_pos_Nc.reshape(n_pages, Pg), axis=1)
+    adjacent = jnp.abs(newest_Np[pages] - newest_Np[idx_BxR][:, :, None] - off_J * Pg) < Pg
     pages, act = pages.reshape(B, -1), (active_BxR[:, :, None] & adjacent).reshape(B, -1)
     M = pages.shape[1]
     earlier_MxM = jnp.arange(M)[None, :] < jnp.arange(M)[:, None]  # [j, i]: i comes before j
@@ -213,7 +213,7 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_gl
                     surv_valid_S, inv_freq):
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
-    positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Pg or 0, D] are the layer's page summaries
+    positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Np or 0, D] are the layer's page summaries
     and gather_glob(slots_BxR) -> [B, Hkv, R, D] reads its scoring copy of the keys (None without one; the rule:
     "max" with a copy, else "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean").
     With recall.score_block only the filled pages are scored (live_page_scores; the same scores). R = max_pages *
@@ -221,7 +221,7 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_gl
     twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
-    Pg, K = cold_pos_Nc.shape[0] // n_pages, recall.max_pages
+    Pg = cold_pos_Nc.shape[0] // n_pages  # tokens per page
     quest = (cold_lo, cold_hi) if cold_lo.shape[2] else (None, None)
     if recall.score_block:
         scores = live_page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, gather_glob)
@@ -233,7 +233,7 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_gl
         scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
     if recall.shortlist:
         scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0])
-    idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, K)
+    idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, recall.max_pages)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)
     M = idx.shape[1]
