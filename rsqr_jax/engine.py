@@ -52,8 +52,11 @@ TRACES: collections.Counter = collections.Counter()
 
 
 def policy_values(policy: Policy) -> tuple[int, ...]:
-    """A single concrete policy as a hashable tuple of its field values (Policy field order)."""
-    return tuple(int(np.asarray(getattr(policy, f.name))) for f in dataclasses.fields(Policy))
+    """A single concrete policy as a hashable tuple of its field values (Policy field order; `Policy.host`)."""
+    values = tuple(policy.host().values())
+    if any(isinstance(v, list) for v in values):
+        raise ValueError("a fixed policy is one policy, not a stacked batch")
+    return values
 
 
 class SamplerState(NamedTuple):

@@ -225,6 +225,16 @@ def unstack_policies(batch: Policy) -> list[Policy]:
     return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(n)]
 
 
+def host_policies(policies) -> list[dict]:
+    """Every policy of a Policy (single or batched) or a list of them, as dicts of Python ints."""
+    if isinstance(policies, Policy):
+        h = policies.host()
+        if isinstance(h["mode"], list):
+            return [{k: v[i] for k, v in h.items()} for i in range(len(h["mode"]))]
+        return [h]
+    return [h for p in policies for h in host_policies(p)]
+
+
 def policy_size(policy: Policy) -> int | None:
     """Number of policies in a batch, or None for a single policy."""
     shape = np.shape(policy.mode)

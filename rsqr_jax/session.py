@@ -26,11 +26,11 @@ import numpy as np
 from rsqr_jax.cache import MAX_POSITION, KVCache, cold_slots_in_use, cut_cold_store, grow_cold_store, init_cache
 from rsqr_jax.engine import Decoder, SamplerState, policy_values
 from rsqr_jax.policy import FULL as P_FULL
-from rsqr_jax.policy import Policy
+from rsqr_jax.policy import Policy, host_policies
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling
-from rsqr_jax.session_file import (FORMAT, FORMAT_VERSION, SessionFileError, _json_clean, _one_line, _policy_values,
+from rsqr_jax.session_file import (FORMAT, FORMAT_VERSION, SessionFileError, _json_clean, _one_line,
                                    check_identity, read_session_file, write_session_file)
-from rsqr_jax.spec import CacheSpec, ColdStore, host_policies, validate
+from rsqr_jax.spec import CacheSpec, ColdStore, validate
 
 # The prefill chunk of `Session.create` (a policy with a smaller window gets its window): long enough that
 # a prompt prefills in few calls, short enough that a short one wastes little padding.
@@ -243,7 +243,7 @@ class Session:
             "format": FORMAT, "version": FORMAT_VERSION,
             "identity": _json_clean(identity, "identity"), "extra": _json_clean(self.extra, "extra"),
             "spec": dataclasses.asdict(self.spec),
-            "policy": {f.name: int(np.asarray(getattr(self.policy, f.name))) for f in dataclasses.fields(Policy)},
+            "policy": self.policy.host(),
             "prefill_chunk": self.prefill_chunk, "sampling": self.sampling.to_json(),
             "max_candidates": self.decoder.max_candidates,
             "temperature": self.temperature, "top_p": self.top_p,  # also in "sampling"; for older readers
@@ -277,7 +277,7 @@ class Session:
             raise SessionFileError(f"{name} holds an invalid spec or policy: {_one_line(e)}") from None
         if spec is not None and spec != saved_spec:
             raise SessionFileError(f"{name} has cache spec {saved_spec}, expected {spec}")
-        if policy is not None and _policy_values(policy) != header["policy"]:
+        if policy is not None and policy.host() != header["policy"]:
             raise SessionFileError(f"{name} has policy {saved_policy.name}, expected {policy.name}")
         expected = jax.eval_shape(lambda: init_cache(saved_spec))
         cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}

@@ -66,13 +66,6 @@ def check_identity(name, saved: dict, identity: dict) -> None:
         raise SessionFileError(f"{os.fspath(name)} was saved for another model ({'; '.join(diff)})")
 
 
-def _policy_values(policy: Policy) -> dict:
-    try:
-        return {f.name: int(np.asarray(getattr(policy, f.name))) for f in dataclasses.fields(Policy)}
-    except TypeError:  # a batched policy is never a Session's
-        return {}
-
-
 def _checksum(header: dict, arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
     body = {k: v for k, v in header.items() if k != "checksum"}

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax import policy as P
-from rsqr_jax.policy import Policy, PolicyError
+from rsqr_jax.policy import Policy, PolicyError, host_policies
 
 
 # How recall ranks cold pages against a layer's queries (both on keys rotated at their global positions):
@@ -245,16 +245,6 @@ def float_dtype_name(dtype) -> str:
     if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"cache dtype must be a floating type, got {dt}")
     return str(dt)
-
-
-def host_policies(policies) -> list[dict]:
-    """Every policy of a Policy (single or batched) or a list of them, as dicts of Python ints."""
-    if isinstance(policies, Policy):
-        h = policies.host()
-        if isinstance(h["mode"], list):
-            return [{k: v[i] for k, v in h.items()} for i in range(len(h["mode"]))]
-        return [h]
-    return [h for p in policies for h in host_policies(p)]
 
 
 def _shadow_slots(h: dict, max_chunk: int) -> int:

@@ -124,7 +124,7 @@ def policy_grid(grid: str | dict) -> tuple[Policy, list[str]]:
         kw = dict(zip(keys, combo))
         pol = P.make_policy(kw.pop("mode"), **kw)
         h = pol.host()
-        sig = tuple(h[f.name] for f in dataclasses.fields(Policy))
+        sig = tuple(h.values())
         if sig in seen:
             continue
         seen[sig] = len(pols)

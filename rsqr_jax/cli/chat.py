@@ -173,7 +173,7 @@ def draw_seed() -> int:
 
 def describe_cache(spec, policy) -> str:
     """The cache as the user asked for it (not the internal slot counts), and its memory."""
-    from rsqr_jax.spec import host_policies
+    from rsqr_jax.policy import host_policies
 
     h = host_policies(policy)[0]
     parts = spec.bytes_by_part(policy)

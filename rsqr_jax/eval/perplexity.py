@@ -17,7 +17,8 @@ from rsqr_jax.eval.runtime import (ConfigError, Timer, check_stream_shape, progr
                                    write_json_atomic)
 from rsqr_jax.eval.stats import check_finite, ppl, ppl_curve
 from rsqr_jax.policy import Policy
-from rsqr_jax.spec import CacheSpec, ColdStore, host_policies
+from rsqr_jax.policy import host_policies
+from rsqr_jax.spec import CacheSpec, ColdStore
 
 
 class Model(NamedTuple):
