@@ -30,7 +30,7 @@ SCORE_BLOCK_PAGES = 64
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   meta_fields=["max_pages", "neighbors", "shortlist", "score_block"],
+                   meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel",
                                 "live_pages"])
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,9 @@ class Recall:
     which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
     max_pages (static): pages chosen per layer (0 = no recall in this compilation); neighbors (static): pages
     on each side of a chosen page gathered with it; shortlist (static): with the "shortlist" rule, how many
-    pages of best mean key are rescored by their best token; live_pages: the leading pages that may hold a
+    pages of best mean key are rescored by their best token; page_score (static): the rule
+    (spec.PAGE_SCORES), which names the summaries the cold store keeps: per-channel bounds for "quest", a
+    scoring copy of every key for "max" (never inferred from which arrays are empty); live_pages: the leading pages that may hold a
     recallable token (the ring fills from slot 0 until it wraps; 0 = nothing to recall this step, or
     k_pages = 0: the layers skip recall); score_block (static): pages scored per block of that prefix (0 =
     every page, every step)."""
@@ -55,6 +57,7 @@ class Recall:
     max_pages: int = 0
     neighbors: int = 0
     shortlist: int = 0
+    page_score: str = "mean"
     live_pages: jax.Array | None = None
     score_block: int = 0
 
@@ -214,20 +217,21 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_gl
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Np or 0, D] are the layer's page summaries
-    and gather_glob(slots_BxR) -> [B, Hkv, R, D] reads its scoring copy of the keys (None without one; the rule:
-    "max" with a copy, else "quest" with lo/hi pages, else "shortlist" if recall.shortlist, else "mean").
+    and gather_glob(slots_BxR) -> [B, Hkv, R, D] reads its scoring copy of the keys; recall.page_score says which
+    of them the rule reads ("max": the copy, "quest": lo / hi, "shortlist" and "mean": the sums).
     With recall.score_block only the filled pages are scored (live_page_scores; the same scores). R = max_pages *
     (1 + 2 * neighbors) * page size; a recalled token that is also an attended survivor, or on a page gathered
     twice, counts once."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     Pg = cold_pos_Nc.shape[0] // n_pages  # tokens per page
-    quest = (cold_lo, cold_hi) if cold_lo.shape[2] else (None, None)
+    quest = (cold_lo, cold_hi) if recall.page_score == "quest" else (None, None)
     if recall.score_block:
-        scores = live_page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, gather_glob)
+        scores = live_page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest,
+                                  gather_glob if recall.page_score == "max" else None)
     else:
         k_glob = None
-        if gather_glob is not None:
+        if recall.page_score == "max":
             k_glob = gather_glob(jnp.broadcast_to(jnp.arange(cold_pos_Nc.shape[0], dtype=jnp.int32),
                                                   (B, cold_pos_Nc.shape[0])))
         scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
@@ -297,10 +301,11 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
     out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
     lo = hi = lambda: jnp.zeros(cache.cold_lo.shape[1:], cache.cold_lo.dtype)  # noqa: E731  (no Quest pages)
     glob = None
-    if cache.cold_lo.shape[3]:
+    rule = plan.recall.page_score
+    if rule == "quest":
         (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
                                                       summarize(cache.cold_hi, -jnp.inf, "max"))
-    if cache.cold_k_glob.shape[3]:
+    if rule == "max":
         # The "max" rule's scoring copy: written in place like cold_k, and read back like the recalled K/V, as
         # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
         # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the

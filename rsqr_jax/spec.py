@@ -143,7 +143,7 @@ class CacheSpec:
     def recall_args(self) -> dict:
         """The static recall keywords of `update.step` / `update.plan_step` for this spec."""
         return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.recall_neighbors,
-                "recall_shortlist": self.shortlist_pages}
+                "recall_shortlist": self.shortlist_pages, "page_score": self.page_score}
 
     @property
     def shortlist_pages(self) -> int:

@@ -112,14 +112,15 @@ class StepPlan:
 
 
 def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
-              max_recall_pages: int = 0, recall_neighbors: int = 0, recall_shortlist: int = 0) -> StepPlan:
+              max_recall_pages: int = 0, recall_neighbors: int = 0, recall_shortlist: int = 0,
+              page_score: str = "mean") -> StepPlan:
     """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
 
     Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
     token that is exactly DESIGN's set(t); for a chunk it is StreamingLLM's evict-for-space).
-    max_recall_pages / recall_neighbors / recall_shortlist (static): how many cold pages a layer may choose,
-    the pages on each side of a chosen one that come with it, and the "shortlist" rule's page count
-    (CacheSpec.recall_args).
+    max_recall_pages / recall_neighbors / recall_shortlist / page_score (static, CacheSpec.recall_args): how
+    many cold pages a layer may choose, the pages on each side of a chosen one that come with it, the
+    "shortlist" rule's page count, and the rule itself (which page summaries the cold store keeps and scores).
     """
     C = chunk
     n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)
@@ -209,7 +210,7 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     recall = Recall(k_pages=policy.recall_pages, token_valid_Nc=token_valid,
                     surv_gpos_S=surv_pos, q_global_C=g_C, q_real_C=real_C, in_kernel=mode.surv_in_kernel,
                     max_pages=max_recall_pages if Nc else 0, neighbors=recall_neighbors,
-                    shortlist=recall_shortlist if Nc else 0, live_pages=live_pages,
+                    shortlist=recall_shortlist if Nc else 0, page_score=page_score, live_pages=live_pages,
                     score_block=_recall.SCORE_BLOCK_PAGES)
 
     return StepPlan(
@@ -282,13 +283,14 @@ def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
 
 def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
          n_valid: jax.Array | int | None = None, *, max_recall_pages: int = 0,
-         recall_neighbors: int = 0, recall_shortlist: int = 0) -> tuple[jax.Array, KVCache]:
+         recall_neighbors: int = 0, recall_shortlist: int = 0, page_score: str = "mean") -> tuple[jax.Array, KVCache]:
     """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache.
 
-    max_recall_pages / recall_neighbors / recall_shortlist (static, CacheSpec.recall_args): pages each layer
-    may recall from the cold store, the neighbouring pages that come with each, the shortlist's length."""
+    max_recall_pages / recall_neighbors / recall_shortlist / page_score (static, CacheSpec.recall_args): pages
+    each layer may recall from the cold store, the neighbouring pages that come with each, the shortlist's
+    length, the page rule."""
     plan = plan_step(cache, policy, tokens_BxC.shape[1], n_valid, max_recall_pages=max_recall_pages,
-                     recall_neighbors=recall_neighbors, recall_shortlist=recall_shortlist)
+                     recall_neighbors=recall_neighbors, recall_shortlist=recall_shortlist, page_score=page_score)
     if cache.win_tok.shape[1]:
         cache = cache.replace(win_tok=cache.win_tok.at[:, plan.writes.win_slot_C].set(tokens_BxC, mode="drop"))
     if cache.surv_tok.shape[1]:
