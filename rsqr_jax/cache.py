@@ -16,7 +16,7 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   is written raw on arrival at ring slot (r - N) mod Nc, so the ring is made of pages of P consecutive
   tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
   (the page summary that recall scores), cold_lo / cold_hi their per-channel minimum and maximum (only
-  for CacheSpec.page_score "quest"), cold_k_glob [L, B, Hkv, Nc or 0, D] float32 every cold key rotated at
+  for the page rule "quest"), cold_k_glob [L, B, Hkv, Nc or 0, D] float32 every cold key rotated at
   its global position (only for page_score "max": scoring, never attended), cold_pos each slot's global
   position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
@@ -107,9 +107,9 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         win_pos=neg(W), win_stored_rot=jnp.zeros((W,), jnp.int32),
         surv_pos=neg(S), surv_rank=neg(S), surv_stored_rot=jnp.zeros((S,), jnp.int32), surv_copy_pos=neg(Sp),
         cold_k=jnp.zeros((L, B, H, Nc, D), dt), cold_v=jnp.zeros((L, B, H, Nc, D), dt),
-        cold_sum=jnp.zeros((L, B, H, Nc // spec.page_size, D), jnp.float32), cold_pos=neg(Nc),
-        cold_lo=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
-        cold_hi=jnp.zeros((L, B, H, Nc // spec.page_size if spec.page_score == "quest" else 0, D), jnp.float32),
+        cold_sum=jnp.zeros((L, B, H, spec.cold_pages, D), jnp.float32), cold_pos=neg(Nc),
+        cold_lo=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
+        cold_hi=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, D), jnp.float32),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
@@ -130,9 +130,10 @@ def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
     """How many leading cold slots (a multiple of the page size) hold anything: the ring fills slots 0, 1, ...
     in order until it wraps, so everything after them is still exactly as init_cache made it (checked bit
     for bit; else every slot counts). A session file stores only these (a fresh 4096-token store is ~300 MB)."""
-    nc, page = spec.cold_slots, spec.page_size
+    nc = spec.cold_slots
     if not nc:
         return 0
+    page = spec.cold.page_size
     written = np.flatnonzero(np.asarray(fields["cold_pos"]) >= 0)
     used = 0 if not len(written) else -(-(int(written[-1]) + 1) // page) * page
     for name, axis, first, fill in _cold_fields(used, page):
@@ -155,7 +156,7 @@ def grow_cold_store(fields: dict[str, np.ndarray], spec: CacheSpec) -> dict[str,
     """Undo cut_cold_store: each cold field padded back to its spec shape with init_cache's values."""
     fresh = jax.eval_shape(lambda: init_cache(spec))
     out = dict(fields)
-    for name, axis, _, fill in _cold_fields(spec.cold_slots, spec.page_size):
+    for name, axis, _, fill in _cold_fields(spec.cold_slots, spec.cold.page_size if spec.cold else 1):
         if name not in fields:  # a file from before the field existed (the caller checks what is missing)
             continue
         a, want = fields[name], getattr(fresh, name)

@@ -108,7 +108,7 @@ class Session:
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
         spec = CacheSpec.for_policies(policy, dims=dims, dtype=dtype, max_chunk=int(chunk), max_len=max_len,
-                                      **(cold.spec_kwargs() if cold is not None else {}))
+                                      cold=cold)
         return cls(apply_fn, params, spec, policy, prefill_chunk=int(chunk), **kwargs)
 
     @property
@@ -235,14 +235,14 @@ class Session:
             self.extra = dict(extra)
         fields = {f.name: np.asarray(getattr(self.cache, f.name)) for f in dataclasses.fields(KVCache)}
         cold_used = cold_slots_in_use(fields, self.spec)  # the still-empty rest of the cold store is not written
-        fields = cut_cold_store(fields, cold_used, self.spec.page_size)
+        fields = cut_cold_store(fields, cold_used, self.spec.cold.page_size if self.spec.cold else 1)
         arrays = {f"cache.{k}": v for k, v in fields.items()}
         arrays["rng"] = np.asarray(self.rng)
         arrays["recent"] = np.asarray(self.recent)
         header = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "identity": _json_clean(identity, "identity"), "extra": _json_clean(self.extra, "extra"),
-            "spec": dataclasses.asdict(self.spec),
+            "spec": self.spec.to_json(),
             "policy": self.policy.host(),
             "prefill_chunk": self.prefill_chunk, "sampling": self.sampling.to_json(),
             "max_candidates": self.decoder.max_candidates,
@@ -267,7 +267,7 @@ class Session:
         name = os.fspath(path)
         check_identity(name, header.get("identity"), identity)
         try:
-            saved_spec = CacheSpec(**header["spec"])
+            saved_spec = CacheSpec.from_json(header["spec"])
             fields = [f.name for f in dataclasses.fields(Policy)]
             if sorted(header["policy"]) != sorted(fields):
                 raise ValueError(f"policy fields {sorted(header['policy'])}")
@@ -283,7 +283,7 @@ class Session:
         cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}
         saved = header.get("cold_slots_saved")  # absent: a file from before the cold store was cut
         if saved is not None and saved != saved_spec.cold_slots:
-            page = saved_spec.page_size
+            page = saved_spec.cold.page_size if saved_spec.cold else 1
             if not (isinstance(saved, int) and 0 <= saved < saved_spec.cold_slots and saved % page == 0):
                 raise SessionFileError(f"{name} holds an invalid cold store length {saved!r}")
             grown = grow_cold_store({k[len("cache."):]: v for k, v in arrays.items() if k in cache_names}, saved_spec)

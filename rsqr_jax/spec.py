@@ -32,9 +32,10 @@ DEFAULT_PAGE_SCORE = "max"
 
 @dataclasses.dataclass(frozen=True)
 class ColdStore:
-    """The recall tier's static settings as one value (docs/design.md §3b): capacity (evicted tokens kept at
-    least), page_size, page_score (PAGE_SCORES) and neighbors (pages on each side of a chosen page that come
-    back with it). `spec_kwargs` are the CacheSpec.for_policies keywords; ValueError on impossible values."""
+    """The recall tier's cold store as one value, `CacheSpec.cold` (docs/design.md §3b): capacity (evicted
+    tokens kept at least), page_size, page_score (the rule that ranks pages, PAGE_SCORES: it also names the
+    summaries the store keeps) and neighbors (pages on each side of a chosen page that come back with it).
+    Validated here, once; ValueError on impossible values."""
 
     capacity: int = 4096
     page_size: int = 16
@@ -56,18 +57,10 @@ class ColdStore:
     def pages(self) -> int:
         return self.capacity // self.page_size
 
-    def spec_kwargs(self) -> dict:
-        return {"cold_capacity": self.capacity, "page_size": self.page_size, "page_score": self.page_score,
-                "recall_neighbors": self.neighbors}
-
     @classmethod
-    def of_spec(cls, spec: "CacheSpec | dict") -> "ColdStore | None":
-        """The cold store of a spec (or of its dict, as a session file holds it); None without one."""
-        d = spec if isinstance(spec, dict) else dataclasses.asdict(spec)
-        if not d.get("cold_capacity"):
-            return None
-        # a file from before the rule was recorded was made with "mean"
-        return cls(d["cold_capacity"], d["page_size"], d.get("page_score", "mean"), d.get("recall_neighbors", 0))
+    def from_json(cls, d: dict | None) -> "ColdStore | None":
+        """The cold store a session file's spec holds (None without one)."""
+        return None if d is None else cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +71,11 @@ class CacheSpec:
     surv_capacity: slots of the survivor segment (sinks + capped survivors + the raw shadow copies of
     flagged tokens still in the window). precompute / token_ids: the rsqr_precompute copy and the replay
     token ids are allocated only when a policy of the spec needs them. max_chunk: the largest chunk fed.
-    cold_capacity / page_size / max_recall_pages: the recall tier (docs/design.md §3b): a per-layer cold
-    store that keeps at least the last cold_capacity evicted non-sink tokens (raw K/V, in pages of
-    page_size consecutive tokens), from which a policy may recall up to max_recall_pages pages per layer
-    and step (0: no cold store). page_score: the rule recall ranks pages by (PAGE_SCORES).
-    recall_neighbors: pages on each side of a chosen page that come back with it (a fact that straddles a
-    page boundary returns whole; duplicates count once): each choice gathers 1 + 2 * recall_neighbors pages.
+    cold / max_recall_pages: the recall tier (docs/design.md §3b): a per-layer cold store (a ColdStore: it
+    keeps at least the last cold.capacity evicted non-sink tokens, raw K/V in pages of cold.page_size
+    consecutive tokens, and the summaries its page rule needs; None: no cold store), from which a policy may
+    recall up to max_recall_pages pages per layer and step, each with cold.neighbors pages on each side (a
+    fact that straddles a page boundary returns whole; duplicates count once).
     """
 
     num_layers: int
@@ -96,75 +88,82 @@ class CacheSpec:
     precompute: bool = False
     token_ids: bool = False
     max_chunk: int = 1
-    cold_capacity: int = 0
-    page_size: int = 16
+    cold: ColdStore | None = None
     max_recall_pages: int = 0
-    page_score: str = DEFAULT_PAGE_SCORE
-    recall_neighbors: int = 0
 
     def __post_init__(self):
         for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "win_capacity", "surv_capacity", "max_chunk",
-                     "cold_capacity", "page_size", "max_recall_pages", "recall_neighbors"):
+                     "max_recall_pages"):
             v = getattr(self, name)
-            low = 0 if name in ("surv_capacity", "cold_capacity", "max_recall_pages", "recall_neighbors") else 1
+            low = 0 if name in ("surv_capacity", "max_recall_pages") else 1
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"CacheSpec.{name} must be an integer >= {low}, got {v!r}")
         if self.head_dim % 2:
             raise ValueError(f"CacheSpec.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         float_dtype_name(self.dtype)
-        if self.page_score not in PAGE_SCORES:
-            raise ValueError(f"unknown page score {self.page_score!r}: choose one of {', '.join(PAGE_SCORES)}")
-        if self.cold_capacity % self.page_size:
-            raise ValueError(f"the cold capacity {self.cold_capacity} is not a multiple of the page size "
-                             f"{self.page_size}")
-        if self.max_recall_pages and not self.cold_capacity:
-            raise ValueError("max_recall_pages > 0 needs a cold store (cold_capacity > 0)")
-        if self.max_recall_pages > self.cold_slots // self.page_size:
+        if self.cold is not None and not isinstance(self.cold, ColdStore):
+            raise ValueError(f"CacheSpec.cold must be a ColdStore or None, got {self.cold!r}")
+        if self.max_recall_pages and self.cold is None:
+            raise ValueError("max_recall_pages > 0 needs a cold store (CacheSpec.cold)")
+        if self.max_recall_pages > self.cold_pages:
             raise ValueError(f"max_recall_pages {self.max_recall_pages} exceeds the cold store's "
-                             f"{self.cold_slots // self.page_size} pages")
-        if self.recall_neighbors and not self.max_recall_pages:
-            raise ValueError("recall_neighbors > 0 needs recall (max_recall_pages > 0)")
+                             f"{self.cold_pages} pages")
+        if self.cold is not None and self.cold.neighbors and not self.max_recall_pages:
+            raise ValueError("recall neighbors > 0 need recall (max_recall_pages > 0)")
 
     @property
     def cold_slots(self) -> int:
-        """Slots of the cold ring: cold_capacity evicted tokens plus room for the tokens still in the window
+        """Slots of the cold ring: cold.capacity evicted tokens plus room for the tokens still in the window
         (every non-sink token is written raw on arrival) and for one partly overwritten page."""
-        if not self.cold_capacity:
+        if self.cold is None:
             return 0
-        P = self.page_size
-        return -(-(self.cold_capacity + self.win_capacity + self.max_chunk) // P) * P + P
+        P = self.cold.page_size
+        return -(-(self.cold.capacity + self.win_capacity + self.max_chunk) // P) * P + P
+
+    @property
+    def cold_pages(self) -> int:
+        """Pages of the cold ring (0 without a cold store)."""
+        return self.cold_slots // self.cold.page_size if self.cold is not None else 0
+
+    @property
+    def page_score(self) -> str | None:
+        """The cold store's page rule (None without one)."""
+        return None if self.cold is None else self.cold.page_score
 
     @property
     def recall_slots(self) -> int:
         """Survivor-segment slots a layer adds per step for recalled tokens (gathered, not stored)."""
-        return self.max_recall_pages * (1 + 2 * self.recall_neighbors) * self.page_size
+        if self.cold is None:
+            return 0
+        return self.max_recall_pages * (1 + 2 * self.cold.neighbors) * self.cold.page_size
 
     @property
     def recall_args(self) -> dict:
         """The static recall keywords of `update.step` / `update.plan_step` for this spec."""
-        return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.recall_neighbors,
-                "recall_shortlist": self.shortlist_pages, "page_score": self.page_score}
+        if self.cold is None:
+            return {}
+        return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.cold.neighbors,
+                "recall_shortlist": self.shortlist_pages, "page_score": self.cold.page_score}
 
     @property
     def shortlist_pages(self) -> int:
         """Pages the "shortlist" rule rescores per layer and step (0 under the other rules)."""
         if self.page_score != "shortlist" or not self.max_recall_pages:
             return 0
-        return min(SHORTLIST_PER_PAGE * self.max_recall_pages, self.cold_slots // self.page_size)
+        return min(SHORTLIST_PER_PAGE * self.max_recall_pages, self.cold_pages)
 
     @classmethod
     def for_policies(cls, policies: Policy | list[Policy], *, dims=None, num_layers: int | None = None,
                      num_kv_heads: int | None = None, head_dim: int | None = None,
                      batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0,
-                     cold_capacity: int = 0, page_size: int = 16, max_recall_pages: int | None = None,
-                     page_score: str = DEFAULT_PAGE_SCORE, recall_neighbors: int = 0) -> "CacheSpec":
+                     cold: ColdStore | None = None, max_recall_pages: int | None = None) -> "CacheSpec":
         """The smallest spec that holds every given policy (a sweep batch gets the union).
 
         dims: the model's cache dimensions, anything with num_layers, num_kv_heads and head_dim (a model
         config, or a dict of them), so a caller need not copy them by hand; an explicit keyword must agree.
         max_len bounds the stream for `full` (its window must hold everything) and nothing else.
-        cold_capacity / page_size: the recall tier's cold store; max_recall_pages defaults to the largest
-        recall_pages of the policies.
+        cold: the recall tier's cold store (None: none); max_recall_pages defaults to the largest recall_pages
+        of the policies.
         """
         num_layers, num_kv_heads, head_dim = model_dims(dims, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                                         head_dim=head_dim)
@@ -178,7 +177,24 @@ class CacheSpec:
         if max_recall_pages is None:
             max_recall_pages = max(h["recall_pages"] for h in hosts)
         return cls(num_layers, batch, num_kv_heads, head_dim, win, surv, float_dtype_name(dtype), pre, tok, max_chunk,
-                   cold_capacity, page_size, max_recall_pages, page_score, recall_neighbors)
+                   cold, max_recall_pages)
+
+    def to_json(self) -> dict:
+        """The spec as a session file holds it (the cold store nested, or None)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CacheSpec":
+        """The spec of a session file; a file from before the cold store was one value holds its settings flat
+        (cold_capacity 0 = none; no page rule recorded = "mean", the rule then)."""
+        d = dict(d)
+        if "cold" in d:
+            d["cold"] = ColdStore.from_json(d["cold"])
+        else:
+            flat = {k: d.pop(k, None) for k in ("cold_capacity", "page_size", "page_score", "recall_neighbors")}
+            d["cold"] = ColdStore(flat["cold_capacity"], flat["page_size"] or 16, flat["page_score"] or "mean",
+                                  flat["recall_neighbors"] or 0) if flat["cold_capacity"] else None
+        return cls(**d)
 
     @property
     def entry_bytes(self) -> int:
@@ -203,7 +219,7 @@ class CacheSpec:
             "token_ids": (self.win_capacity + self.surv_capacity) * self.batch * 4 if self.token_ids else 0,
             "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1) * 4,
             "cold_store": self.cold_slots * (self.entry_bytes + 4)
-            + (self.cold_slots // self.page_size) * summary_bytes * (3 if self.page_score == "quest" else 1)
+            + self.cold_pages * summary_bytes * (3 if self.page_score == "quest" else 1)
             + (self.cold_slots * summary_bytes if self.page_score == "max" else 0),  # the float32 scoring copy
         }
         out["total"] = sum(out.values())
@@ -291,4 +307,4 @@ def validate(policy: Policy, spec: CacheSpec, *, chunk: int = 1) -> None:
                               f"{', '.join(P.RECALL_MODES)})")
         if h["recall_pages"] > spec.max_recall_pages:
             raise PolicyError(f"{name}: recall_pages {h['recall_pages']} exceeds the cache's max_recall_pages "
-                              f"{spec.max_recall_pages}" + ("" if spec.cold_capacity else " (no cold store)"))
+                              f"{spec.max_recall_pages}" + ("" if spec.cold is not None else " (no cold store)"))

@@ -232,7 +232,7 @@ def sweep_nll(apply_fn, params, tokens_BxT, policies: Policy | list[Policy], *, 
         recalls = bool(np.any(np.asarray(policies.recall_pages) > 0))
         spec = CacheSpec.for_policies(policies, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
                                       head_dim=config.head_dim, batch=B_pad, dtype=dtype, max_chunk=chunk, max_len=T,
-                                      **((cold or ColdStore()).spec_kwargs() if recalls else {}))
+                                      cold=(cold or ColdStore()) if recalls else None)
     elif spec.batch != B_pad:
         spec = dataclasses.replace(spec, batch=B_pad)
 

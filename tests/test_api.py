@@ -136,7 +136,7 @@ def test_session_chunk_defaults_to_64_capped_by_the_window_and_full_needs_max_le
     with pytest.raises(ValueError, match="one policy"):
         lm.session(rj.stack_policies([POLICY, POLICY]))
     cold = lm.session(rj.rsqr(16, 2, 3, 4, recall_pages=2), cold=rj.ColdStore(64, 8))
-    assert (cold.spec.cold_capacity, cold.spec.page_size, cold.spec.max_recall_pages) == (64, 8, 2)
+    assert (cold.spec.cold, cold.spec.max_recall_pages) == (rj.ColdStore(64, 8), 2)
 
 
 # ----------------------------------------------------------------------------------------------------

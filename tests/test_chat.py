@@ -211,7 +211,7 @@ def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_p
                       recall_pages=chat.DEFAULT_RECALL_PAGES)
     spec = CacheSpec.for_policies(pol, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                   dtype="bfloat16", max_chunk=64, max_recall_pages=chat.DEFAULT_RECALL_PAGES,
-                                  **ColdStore(4096, 16).spec_kwargs())
+                                  cold=ColdStore(4096, 16))
     assert result["cache_bytes"] == spec.bytes_by_part(pol) and result["cache_bytes"]["cold_store"] > 0
     assert result["policy_name"].endswith("recall=4)")
     assert "float32 weights, bfloat16 cache" in proc.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import rsqr_jax as rj
 from rsqr_jax import engine as E
 from rsqr_jax.eval.harness import GenerateRequest, SequentialEngine, StreamsEngine
 from rsqr_jax.policy import make_policy
@@ -39,7 +40,7 @@ def test_streams_engine_equals_sequential_engine_under_one_compilation(model, re
     apply_fn, params = model
     rng = np.random.default_rng(SEED + recall)
     policy = make_policy("rsqr", **RSQR, recall_pages=2 if recall else 0)
-    cold = dict(cold_capacity=32, page_size=4, max_recall_pages=2, page_score="mean") if recall else None
+    cold = dict(cold=rj.ColdStore(32, 4, "mean"), max_recall_pages=2) if recall else None
     seq = SequentialEngine(apply_fn, params, policy, cold_store=cold, gen_block=4, **DIMS)
     streams = StreamsEngine(apply_fn, params, policy, n_slots=2, cold_store=cold, gen_block=4, **DIMS)
     # first scored token in a later chunk / in the first chunk / the last input only / a chunk boundary; all

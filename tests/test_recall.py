@@ -52,9 +52,9 @@ def nll(policy, tokens, spec, chunk=1, seed=0):
 
 
 def spec_for(policies, T, *, chunk=1, cold=0, page=4, dtype="float32", max_pages=None, neighbors=0, score="mean"):
-    return rj.CacheSpec.for_policies(policies, max_chunk=chunk, max_len=T, cold_capacity=cold, page_size=page,
-                                     max_recall_pages=max_pages, dtype=dtype, recall_neighbors=neighbors,
-                                     page_score=score, **DIMS)
+    store = rj.ColdStore(cold, page, score, neighbors) if cold else None
+    return rj.CacheSpec.for_policies(policies, max_chunk=chunk, max_len=T, cold=store, max_recall_pages=max_pages,
+                                     dtype=dtype, **DIMS)
 
 
 def test_recall_pages_zero_equals_plain_rsqr():
@@ -116,7 +116,7 @@ def test_cold_ring_keeps_what_the_model_says(window, n_sink, block, page, cold_p
     chunk = min(chunk, window)
     pol = P.rsqr(window, n_sink, 2, 2, block=block)
     spec = rj.CacheSpec.for_policies(pol, num_layers=1, num_kv_heads=1, head_dim=2, max_chunk=chunk,
-                                     cold_capacity=cold_pages * page, page_size=page)
+                                     cold=rj.ColdStore(cold_pages * page, page))
     T = 40
     cache = rj.init_cache(spec)
     want = reference_cold_sets(T, window=window, n_sink=n_sink, block=block, page_size=page,
@@ -126,7 +126,7 @@ def test_cold_ring_keeps_what_the_model_says(window, n_sink, block, page, cold_p
         cache = commit(cache, plan)
         got = sorted(int(g) for g in np.asarray(cache.cold_pos)[np.asarray(plan.recall.token_valid_Nc)])
         assert got == expected, (n, got, expected)
-        assert len(got) >= min(spec.cold_capacity, max(0, n - n_sink - window - block + 1))  # capacity honoured
+        assert len(got) >= min(spec.cold.capacity, max(0, n - n_sink - window - block + 1))  # capacity honoured
 
 
 def test_page_choice_matches_a_numpy_model_of_the_scoring_rule():
@@ -338,7 +338,7 @@ def test_recall_needs_a_raw_survivor_mode_a_cold_store_and_a_cap():
         rj.validate(pol, spec_for([pol], 32, cold=32, max_pages=2))
     with pytest.raises(P.PolicyError, match="no cold store"):
         rj.validate(pol, spec_for([P.rsqr(8, 2, 3, 3)], 32))
-    with pytest.raises(ValueError, match="not a multiple of the page size"):
+    with pytest.raises(ValueError, match="must be a positive multiple of the page size"):
         spec_for([P.rsqr(8, 2, 3, 3)], 32, cold=30, page=4)
     with pytest.raises(ValueError, match="exceeds the cold store's 6 pages"):
         spec_for([P.rsqr(8, 2, 3, 3)], 32, cold=8, page=4, max_pages=7)
@@ -377,7 +377,7 @@ def test_page_summaries_match_the_stored_raw_keys(chunk):
     T = 45
     tokens = np.random.default_rng(_seed("summaries")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=1)
-    spec = rj.CacheSpec.for_policies(pol, max_chunk=chunk, cold_capacity=12, page_size=4, page_score="quest", **DIMS)
+    spec = rj.CacheSpec.for_policies(pol, max_chunk=chunk, cold=rj.ColdStore(12, 4, "quest"), **DIMS)
     apply_fn, params = _model(0)
     dec = rj.Decoder(apply_fn, spec)
     cache = dec.init_cache()

@@ -31,11 +31,11 @@ def trained():
     return apply_fn, params
 
 
-def accuracy(policy, **cold) -> float:
+def accuracy(policy, cold: rj.ColdStore | None = None) -> float:
     apply_fn, params = trained()
     tokens, mask = assoc_batch(TASK, np.random.default_rng(1), 64, FILLER)
     spec = rj.CacheSpec.for_policies(policy, num_layers=1, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim,
-                                     batch=64, max_len=tokens.shape[1], **cold)
+                                     batch=64, max_len=tokens.shape[1], cold=cold)
     acc = assoc_accuracy(apply_fn, params, tokens, mask, policy, spec)
     print(f"{policy.name} {cold}: accuracy {acc:.3f}")
     return acc
@@ -56,8 +56,8 @@ def test_bounded_cache_without_recall_is_near_chance():
 
 
 def test_recall_brings_the_evicted_facts_back(full_acc):
-    one = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=4), cold_capacity=64, page_size=1)
+    one = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=4), rj.ColdStore(64, 1))
     assert one >= 0.85 and one >= full_acc - 0.05
-    pages_of_two = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=2), cold_capacity=64, page_size=2)
+    pages_of_two = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=2), rj.ColdStore(64, 2))
     assert pages_of_two >= 0.65
-    assert accuracy(rj.streamingllm(8, 2, recall_pages=4), cold_capacity=64, page_size=1) >= 0.85
+    assert accuracy(rj.streamingllm(8, 2, recall_pages=4), rj.ColdStore(64, 1)) >= 0.85

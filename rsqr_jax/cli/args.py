@@ -140,7 +140,7 @@ def cold_store_from_args(args):
 def cold_store_args(args) -> dict:
     """CacheSpec.for_policies keywords of the recall tier (none unless recall is on)."""
     cold = cold_store_from_args(args)
-    return {} if cold is None else {**cold.spec_kwargs(), "max_recall_pages": args.recall_pages}
+    return {} if cold is None else {"cold": cold, "max_recall_pages": args.recall_pages}
 
 
 def check_model_args(args) -> None:

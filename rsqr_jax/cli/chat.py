@@ -186,8 +186,8 @@ def describe_cache(spec, policy) -> str:
         if h["delta"]:
             shape += f", {h['max_survivors']} survivors (every {h['delta']}th evicted token)"
         if h["recall_pages"]:
-            shape += (f", recall {h['recall_pages']} pages of {spec.page_size} from a "
-                      f"{spec.cold_capacity}-token cold store")
+            shape += (f", recall {h['recall_pages']} pages of {spec.cold.page_size} from a "
+                      f"{spec.cold.capacity}-token cold store")
     mib = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items() if k != "total" and v >= 2**19)
     return f"cache: {shape}; {parts['total'] / 2**20:.1f} MiB" + (f" ({mib})" if mib else "")
 
@@ -295,7 +295,7 @@ def saved_sampling(header: dict) -> dict:
 def saved_settings(header: dict) -> dict:
     """The settings (by command-line dest) a saved session fixes: policy, cache, sampler, model."""
     from rsqr_jax.policy import MODES, OVERFLOWS
-    from rsqr_jax.spec import ColdStore
+    from rsqr_jax.spec import CacheSpec
 
     pol = header["policy"]
     cache_dtype_ = header["spec"]["dtype"]
@@ -305,7 +305,7 @@ def saved_settings(header: dict) -> dict:
             "dtype": cache_dtype_, "cache_dtype": cache_dtype_,
             "weights_dtype": header["identity"].get("dtype", cache_dtype_),
             **({"cold_capacity": cold.capacity, "page_size": cold.page_size, "page_score": cold.page_score,
-                "recall_neighbors": cold.neighbors} if (cold := ColdStore.of_spec(header["spec"])) else {}),
+                "recall_neighbors": cold.neighbors} if (cold := CacheSpec.from_json(header["spec"]).cold) else {}),
             "chat": bool(header["extra"].get("chat", False))}
 
 

@@ -111,7 +111,7 @@ class SequentialEngine:
 
     chunk: tokens fed per compiled step (capped by the policy's window). Scoring feeds the chunks before
     the first scored position without the vocabulary projection (`Decoder.advance`). cold_store: the
-    recall tier's CacheSpec keywords (cold_capacity, page_size, max_recall_pages, page_score).
+    recall tier's CacheSpec keywords (cold: a ColdStore, max_recall_pages).
     """
 
     def __init__(self, apply_fn: Callable, params, policy: Policy, *, num_layers: int, num_kv_heads: int,

@@ -128,7 +128,7 @@ class RsqrLM(TemplateLM):
                 store = ColdStore(a["cold_capacity"], a["page_size"], a["page_score"], a["recall_neighbors"])
             except ValueError as e:
                 raise ConfigError(f"recall model arguments: {e}") from None
-            cold = {**store.spec_kwargs(), "max_recall_pages": a["recall_pages"]}
+            cold = {"cold": store, "max_recall_pages": a["recall_pages"]}
         for k in ("chunk", "gen_block", "max_gen_toks"):
             if a[k] < 1:
                 raise ConfigError(f"model argument {k} must be >= 1, got {a[k]}")

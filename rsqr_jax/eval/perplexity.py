@@ -40,7 +40,7 @@ def cache_spec(model: Model, policies, *, chunk: int, max_len: int, cold: ColdSt
     recalls = any(h["recall_pages"] for h in host_policies(policies))
     return CacheSpec.for_policies(policies, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, dtype=model.dtype, max_chunk=chunk, max_len=max_len,
-                                  **(cold.spec_kwargs() if recalls else {}))
+                                  cold=cold if recalls else None)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -148,7 +148,7 @@ def build_sessions(cfg: BenchChatConfig, apply_fn, params, model_config) -> dict
     for recall in (False, True):
         pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors,
                      recall_pages=cfg.recall_pages if recall else 0)
-        cold = ({**ColdStore(cfg.cold_capacity, cfg.page_size).spec_kwargs(), "max_recall_pages": cfg.recall_pages}
+        cold = ({"cold": ColdStore(cfg.cold_capacity, cfg.page_size), "max_recall_pages": cfg.recall_pages}
                 if recall else {})
         setups[recall] = (pol, CacheSpec.for_policies(pol, **dims, **cold))
     sessions = {}

@@ -75,7 +75,7 @@ def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_prog
                   + tokenizer.encode(f" The secret number of {name} is", add_special_tokens=False))
         for arm in cfg.arms:
             pol = cfg.policy(arm)
-            cold = cfg.cold.spec_kwargs() if arm == "rsqr_recall" else {}
+            cold = {"cold": cfg.cold} if arm == "rsqr_recall" else {}
             spec = CacheSpec.for_policies(pol, max_len=len(prompt) + max(16, cfg.gen_tokens), **cold, **dims)
             s = Session(apply_fn, params, spec, pol, prefill_chunk=cfg.prefill_chunk)
             s.feed(prompt)

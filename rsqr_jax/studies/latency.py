@@ -216,7 +216,7 @@ def _spec(pol: Policy, model_config, dtype: str, max_len: int = 0, cold: ColdSto
     recalls = int(np.asarray(pol.recall_pages)) > 0
     return CacheSpec.for_policies(pol, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                   head_dim=model_config.head_dim, dtype=dtype, max_chunk=1, max_len=max_len,
-                                  **(cold.spec_kwargs() if recalls else {}))
+                                  cold=cold if recalls else None)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, toke
     check_history(config.history, demo)
     policy = policy_of(arm, config)
     recall = ARMS[arm][1]
-    cold = ColdStore(config.cold_capacity, config.page_size).spec_kwargs() if recall else {}
+    cold = {"cold": ColdStore(config.cold_capacity, config.page_size)} if recall else {}
     n = config.seeds
     max_len = chat.full_max_len(tokenizer, demo.turns, config.max_new_tokens, demo.system)
     if config.history:

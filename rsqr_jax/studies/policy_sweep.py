@@ -326,7 +326,7 @@ def run(config: SweepConfig, apply_fn, params, model_config, tokenizer=None, *, 
         h = pol.host()
         own = CacheSpec.for_policies(pol, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                      head_dim=model_config.head_dim, dtype=config.dtype, max_chunk=config.chunk,
-                                     max_len=config.tokens, **(config.cold.spec_kwargs() if h["recall_pages"] else {}))
+                                     max_len=config.tokens, cold=config.cold if h["recall_pages"] else None)
         r.update(mode=MODES[h["mode"]], window=h["window"], n_sink=h["n_sink"], delta=h["delta"],
                  max_survivors=h["max_survivors"], block=h["block"], overflow=OVERFLOWS[h["overflow"]],
                  recall_pages=h["recall_pages"],

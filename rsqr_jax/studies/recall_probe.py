@@ -321,7 +321,7 @@ class _Study:
     def cold_store(self, policies) -> dict:
         if not any(int(np.asarray(p.recall_pages)) for p in policies):
             return {}
-        return self.cfg.cold.spec_kwargs()
+        return {"cold": self.cfg.cold}
 
     def stream_arm(self, dec, dtype, variant, arm, policy, cycles, n_sink):
         """One long stream per trial batch, asked at every checkpoint; records every trial's answer."""

@@ -56,7 +56,7 @@ def _recallable(session) -> int:
 def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> dict:
     from rsqr_jax import policy as P
     from rsqr_jax.session import Session
-    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.spec import CacheSpec, ColdStore
 
     prompts = {n: read_tokens(tokenizer, cfg.text, n) for n in cfg.prompt_tokens}
     dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
@@ -66,8 +66,8 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
         for rule in (cfg.page_scores if size else (None,)):
             k = cfg.recall_pages if size else 0
             pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
-            cold = dict(cold_capacity=size, page_size=cfg.page_size, page_score=rule) if size else {}
-            spec = CacheSpec.for_policies(pol, **cold, **dims)
+            cold = ColdStore(size, cfg.page_size, rule) if size else None
+            spec = CacheSpec.for_policies(pol, cold=cold, **dims)
             for n, prompt in prompts.items():  # sessions of one spec share its compilation
                 s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
                 s.warmup()
