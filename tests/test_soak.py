@@ -57,9 +57,12 @@ def test_soak_5000_tokens_tiny_model(model, text, tmp_path):
         assert f"{'PASS' if crit[name]['pass'] else 'FAIL'} {name}:" in md
     assert d["verdict"] == ("PASS" if all(c["pass"] for c in crit.values()) else "FAIL")
     assert f"verdict: {d['verdict']}" in md
-    # The deterministic criteria must hold outright.
+    # The deterministic criteria must hold outright, checked on the measurements, not on the study's flags: the
+    # bytes of every live JAX array (not only the cache pytree, whose shapes are static) are the same at every
+    # checkpoint after warm-up, so nothing accumulates per token.
+    after = [c for c in d["checkpoints"] if c["tokens"] >= S.SoakConfig(text=text).warmup]
+    assert len(after) >= 3 and len({c["live_bytes"] for c in after}) == 1, after
     assert crit["cache_bytes_constant"]["pass"], crit["cache_bytes_constant"]
-    assert len(crit["cache_bytes_constant"]["cache_bytes_seen"]) == 1
     assert crit["finite_logits"]["pass"] and crit["finite_logits"]["nonfinite_steps"] == 0
     assert crit["no_recompile"]["pass"] and crit["no_recompile"]["compiles_first_step"] >= 1
     assert crit["rss_growth"]["pass"], crit["rss_growth"]
