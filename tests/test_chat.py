@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from rsqr_jax import conversation
 from rsqr_jax.cli import chat
 from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.session import Session
@@ -40,7 +41,7 @@ TOK = CharTokenizer()
 
 
 def test_chat_feed_feeds_only_the_new_text():
-    feed = chat.ChatFeed(TOK)
+    feed = conversation.ChatFeed(TOK)
     first = feed.user_turn("hi")
     assert first == TOK.encode("<user>hi</><assistant>")
     feed.assistant_reply("yo")
@@ -349,7 +350,7 @@ def test_text_stream_equals_the_whole_decode_and_never_shows_half_a_character():
     text = "the bees 🐝 of Lisboa — naïve, ünïcödé, 東京 and the sun"
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # the case the stream must hold back
-    stream = chat.TextStream(tok)
+    stream = conversation.TextStream(tok)
     pieces = [stream.push(t) for t in ids] + [stream.flush()]
     assert "".join(pieces) == tok.decode(ids) == stream.text
     assert not any("\ufffd" in p for p in pieces)
@@ -390,15 +391,15 @@ def test_generate_reply_stops_on_eos_on_a_stop_string_and_at_the_length():
     tok = IdTokenizer()
     shown = []
     eos = len(tok.ALPHABET)
-    text, n, reason = chat.generate_reply(ScriptedSession(tok.encode("Paris.") + [eos], eos=[eos]), tok, 50,
+    text, n, reason = conversation.generate_reply(ScriptedSession(tok.encode("Paris.") + [eos], eos=[eos]), tok, 50,
                                           emit=shown.append)
     assert (text, n, reason) == ("Paris.", 7, "eos") and "".join(shown) == "Paris."
     shown = []
-    text, n, reason = chat.generate_reply(ScriptedSession(tok.encode("one\nUser: two")), tok, 50, stop=("User:",),
+    text, n, reason = conversation.generate_reply(ScriptedSession(tok.encode("one\nUser: two")), tok, 50, stop=("User:",),
                                           emit=shown.append)
     assert (text, reason) == ("one\n", "stop") and "".join(shown) == "one\n" and n == len("one\nUser:")
     assert "U" not in "".join(shown)  # a possible start of the stop string is held back, never printed
-    text, n, reason = chat.generate_reply(ScriptedSession(tok.encode("abc")), tok, 5)
+    text, n, reason = conversation.generate_reply(ScriptedSession(tok.encode("abc")), tok, 5)
     assert (text, n, reason) == ("abccc", 5, "length")
 
 

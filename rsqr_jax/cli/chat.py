@@ -20,8 +20,7 @@ from typing import Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 
-# The text-level reply loop lives in the core; its names stay reachable here (chat.ChatFeed, ...).
-from rsqr_jax.conversation import ChatFeed, TextStream, generate_reply, has_chat_template  # noqa: F401
+from rsqr_jax.conversation import ChatFeed, generate_reply
 from rsqr_jax.eval.runtime import ConfigError, write_json_atomic
 
 

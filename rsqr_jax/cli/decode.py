@@ -96,6 +96,7 @@ def sampling_flags(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax import conversation
     from rsqr_jax.cli import chat
 
     parser = build_parser()
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
            f"{time.perf_counter() - t_load:.1f}s; policy {policy.name}")
 
     if header is None:
-        is_chat = not args.raw and chat.has_chat_template(tok)
+        is_chat = not args.raw and conversation.has_chat_template(tok)
         if args.system is not None and not is_chat:
             raise UsageError(f"--system needs a chat template, and {os.path.basename(model_path)} has none")
         system = args.system if args.system is not None else (chat.DEMO.system if demo else None)
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_jsonl(args) -> int:
     """--prompts-jsonl: every request checked before the model loads, then all generated concurrently."""
+    from rsqr_jax import conversation
     from rsqr_jax.cli import chat
     from rsqr_jax.eval.runtime import ConfigError
 
@@ -248,7 +250,7 @@ def main_jsonl(args) -> int:
     tok, cfg = loaded.tokenizer, loaded.config
     status(f"model {loaded.path} loaded in {time.perf_counter() - t_load:.1f}s; policy {policy.name}; "
            f"{len(lines)} prompts")
-    if not chat.has_chat_template(tok):  # plain completion for every line on a model without a template
+    if not conversation.has_chat_template(tok):  # plain completion for every line on a model without a template
         import dataclasses
 
         lines = [dataclasses.replace(pl, chat=False) for pl in lines]

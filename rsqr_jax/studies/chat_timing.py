@@ -5,7 +5,7 @@ Arms (each its own Session, all from the same seed, the same short chat prompt, 
   * plain rsqr and rsqr + recall (decode.py's default; with a prompt and reply that fit the window, nothing
     leaves it, so the cold store holds nothing recallable and the tier skips its work),
   * the engine (`Session.generate(n)`: compiled blocks of gen_block steps, one host round trip per block)
-    and the CLI loop (`chat.generate_reply`: `generate(1)` per token, incremental detokenization, every
+    and the CLI loop (`conversation.generate_reply`: `generate(1)` per token, incremental detokenization, every
     piece printed with flush to a null stream, as decode.py prints to a terminal),
   * the chat sampler (decode.py's defaults) and greedy (its --temperature 0) on the plain rsqr engine.
 
@@ -36,7 +36,7 @@ DEFAULT_PROMPT = "What is the capital of France?"
 class Arm:
     name: str
     recall: bool  # rsqr + recall (decode.py's default) instead of plain rsqr
-    loop: str  # "engine" (Session.generate in blocks) or "cli" (chat.generate_reply, one token per call)
+    loop: str  # "engine" (Session.generate in blocks) or "cli" (conversation.generate_reply, one token per call)
     greedy: bool = False  # temperature 0 instead of the chat sampler
 
 
@@ -164,9 +164,10 @@ def build_sessions(cfg: BenchChatConfig, apply_fn, params, model_config) -> dict
 
 
 def run(cfg: BenchChatConfig, apply_fn, params, model_config, tokenizer) -> dict:
+    from rsqr_jax import conversation
     from rsqr_jax.cli import chat
 
-    is_chat = chat.has_chat_template(tokenizer)
+    is_chat = conversation.has_chat_template(tokenizer)
     prompt = chat.prompt_ids(tokenizer, cfg.prompt, is_chat, cfg.system)
     if len(prompt) + cfg.new_tokens > cfg.window:
         raise ConfigError(f"the prompt ({len(prompt)} tokens) and --new-tokens {cfg.new_tokens} must fit the window "
@@ -194,7 +195,7 @@ def run(cfg: BenchChatConfig, apply_fn, params, model_config, tokenizer) -> dict
             t2, c2 = time.perf_counter(), time.process_time()
             n, text = len(ids), tokenizer.decode(ids, skip_special_tokens=True)  # untimed: a check
         else:
-            text, n, _ = chat.generate_reply(s, tokenizer, n_new, (), emit)
+            text, n, _ = conversation.generate_reply(s, tokenizer, n_new, (), emit)
             t2, c2 = time.perf_counter(), time.process_time()
         if n != n_new:  # end-of-turn tokens are not ends here: a short reply is a bug
             raise RuntimeError(f"{arm.name} generated {n} of {n_new} tokens")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rsqr_jax import conversation
 from rsqr_jax.cli import chat
 from rsqr_jax.eval.runtime import ConfigError, status, write_json_atomic
 from rsqr_jax.eval.stats import wilson
@@ -136,12 +137,12 @@ def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, toke
             messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         history_ids = tokenizer.encode(text, add_special_tokens=False)
-        ids = history_ids + chat.ChatFeed(tokenizer, messages, text).user_turn(demo.question)
+        ids = history_ids + conversation.ChatFeed(tokenizer, messages, text).user_turn(demo.question)
         for i in range(n):
             mentions[i] = demo.positions(tokenizer, history_ids, 0)
         ask([ids] * n, first=True)
     else:
-        feeders = [chat.ChatFeed(tokenizer, list(system)) for _ in range(n)]
+        feeders = [conversation.ChatFeed(tokenizer, list(system)) for _ in range(n)]
         for turn_index, turn in enumerate(demo.turns):
             ids = [f.user_turn(turn) for f in feeders]
             t_N = np.asarray(sched.cache.t) - np.asarray(sched.cache.start)
