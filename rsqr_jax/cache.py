@@ -20,6 +20,9 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   its global position (only for page_score "max": scoring, never attended), cold_pos each slot's global
   position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
+* pin_lo / pin_hi [PIN_SPANS or 0]: the pinned spans (docs/design.md §3c), [pin_lo, pin_hi) in global
+  positions (empty: lo = hi); a pinned token takes a survivor entry on arrival, like a sink, and is kept
+  forever, never counted against max_survivors. Set with `pin_span`, before the span is fed.
 
 Positions are shared by all layers and all batch rows (every row advances in lockstep), so they are
 stored once: win_pos / surv_pos (global position of the token in each slot, -1 = empty),
@@ -45,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rsqr_jax.policy import Policy, window_start
-from rsqr_jax.spec import CacheSpec
+from rsqr_jax.policy import Policy, host_policies, window_start
+from rsqr_jax.spec import PIN_SPANS, CacheSpec, keeps_pins
 
 MAX_POSITION = (1 << 31) - 1
 KV_FIELDS = ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold_k", "cold_v")
@@ -77,6 +80,8 @@ class KVCache:
     cold_hi: jax.Array
     cold_k_glob: jax.Array
     cold_pos: jax.Array
+    pin_lo: jax.Array
+    pin_hi: jax.Array
     t: jax.Array
     start: jax.Array
 
@@ -111,6 +116,8 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         cold_lo=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_hi=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, D), jnp.float32),
+        pin_lo=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
+        pin_hi=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
 
@@ -165,6 +172,43 @@ def grow_cold_store(fields: dict[str, np.ndarray], spec: CacheSpec) -> dict[str,
             pad_shape = a.shape[:axis] + (missing,) + a.shape[axis + 1:]
             out[name] = np.concatenate([a, np.full(pad_shape, fill, a.dtype)], axis=axis)
     return out
+
+
+class PinError(ValueError):
+    """A pin the cache cannot hold (already fed, out of room, or under a policy that keeps no pins)."""
+
+
+def pinned_count(cache: KVCache) -> int:
+    """Tokens pinned so far (host-side)."""
+    lo, hi = np.asarray(cache.pin_lo), np.asarray(cache.pin_hi)
+    return int(np.max(np.sum(hi - lo, axis=-1))) if lo.size else 0
+
+
+def pin_span(cache: KVCache, spec: CacheSpec, start: int, stop: int, policy: Policy | None = None) -> KVCache:
+    """The cache with global positions [start, stop) pinned: kept forever, exactly, beside the sinks (docs/design.md
+    §3c). Host-side, before the span is fed (a pinned key must be kept raw from its arrival on); a cache with a
+    leading policy or stream axis pins every row alike. Raises PinError (one line) for a span already (partly)
+    fed, one that would pass spec.pins tokens or PIN_SPANS spans, or a policy that keeps no pins."""
+    start, stop = int(start), int(stop)
+    if policy is not None and not all(keeps_pins(h) for h in host_policies(policy)):
+        raise PinError("pinning needs a policy with sinks (full keeps everything; window keeps only the last W tokens)")
+    if stop <= start:
+        return cache
+    if not spec.pins:
+        raise PinError("this cache has no room for pins (CacheSpec.pins = 0)")
+    t = int(np.max(np.asarray(cache.t)))
+    if start < t:
+        raise PinError(f"cannot pin from position {start}: the stream is already at {t} (pin a span before feeding it)")
+    used = pinned_count(cache)
+    if used + stop - start > spec.pins:
+        raise PinError(f"pinning {stop - start} more tokens needs {used + stop - start} pinned slots; the cache has "
+                       f"{spec.pins}")
+    lo, hi = np.array(cache.pin_lo), np.array(cache.pin_hi)
+    free = np.flatnonzero((hi <= lo).reshape(-1, lo.shape[-1]).all(axis=0))
+    if not len(free):
+        raise PinError(f"at most {PIN_SPANS} pinned spans")
+    lo[..., free[0]], hi[..., free[0]] = start, stop
+    return cache.replace(pin_lo=jnp.asarray(lo), pin_hi=jnp.asarray(hi))
 
 
 def init_policy_cache(spec: CacheSpec, n_policies: int, start: int = 0) -> KVCache:

@@ -9,9 +9,10 @@ functions, so a library reply and a command-line reply are the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
-__all__ = ["Chat", "ChatFeed", "TextStream", "generate_reply", "has_chat_template"]
+__all__ = ["Chat", "ChatFeed", "Pins", "TextStream", "generate_reply", "has_chat_template", "system_prompt_text"]
 
 
 class ChatFeed:
@@ -43,6 +44,71 @@ class ChatFeed:
 
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def system_prompt_text(tokenizer, system: str | None) -> str:
+    """The text a conversation opens with for its system prompt, as the chat template renders it ("" if the
+    template adds none). system None: the template's own default system prompt, if it has one (found as what
+    the template renders before the user turn's header)."""
+    render = tokenizer.apply_chat_template
+    probe = "\u2063probe\u2063"  # a user turn no template rewrites
+    with_system = [{"role": "system", "content": "x" if system is None else system}]
+    sys_text = render(with_system, tokenize=False, add_generation_prompt=False)
+    first = render(with_system + [{"role": "user", "content": probe}], tokenize=False, add_generation_prompt=True)
+    if not first.startswith(sys_text):
+        raise ValueError("the chat template does not open a conversation with its system prompt: nothing to pin")
+    if system is not None:
+        return sys_text
+    header = first[len(sys_text):first.index(probe)]
+    plain = render([{"role": "user", "content": probe}], tokenize=False, add_generation_prompt=True)
+    i = plain.find(header) if header else -1
+    return plain[:i] if i > 0 else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pins:
+    """What a conversation pins from its start, kept forever, exactly (docs/design.md §3c): the first `keep`
+    tokens of the stream (llama.cpp's n_keep), the system prompt (`system`), or the whole first prompt, system
+    prompt and first user turn (`first_turn`). All three are prefixes of the stream: the longest one is pinned."""
+
+    keep: int = 0
+    system: bool = False
+    first_turn: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 0:
+            raise ValueError(f"keep must be an integer >= 0, got {self.keep!r}")
+
+    def __bool__(self) -> bool:
+        return bool(self.keep or self.system or self.first_turn)
+
+    def system_tokens(self, tokenizer, system: str | None) -> int:
+        """Tokens of the rendered system prompt (0 unless `system`)."""
+        if not self.system:
+            return 0
+        text = system_prompt_text(tokenizer, system)
+        return len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    def room(self, tokenizer, system: str | None, first_turn_room: int = 0) -> int:
+        """The pinned tokens a session needs room for (CacheSpec.pins): first_turn_room stands for the first
+        turn, whose length is known only when it is sent."""
+        return max(self.keep, self.system_tokens(tokenizer, system), first_turn_room if self.first_turn else 0)
+
+    def count(self, tokenizer, first_ids: list[int], system: str | None) -> int:
+        """Tokens to pin from the stream's start, given the first prompt's token ids."""
+        n = max(self.keep, len(first_ids) if self.first_turn else 0)
+        if self.system:
+            k = self.system_tokens(tokenizer, system)
+            sys_ids = tokenizer.encode(system_prompt_text(tokenizer, system), add_special_tokens=False) if k else []
+            same = next((i for i, (a, b) in enumerate(zip(sys_ids, first_ids)) if a != b), min(k, len(first_ids)))
+            n = max(n, same)  # the system prompt's tokens as the stream holds them
+        return n
+
+    def apply(self, session, tokenizer, first_ids: list[int], system: str | None) -> None:
+        """Pin the start of a new stream (nothing fed yet) before `first_ids` are fed; PinError (one line)
+        past the session's room, before anything is fed."""
+        if self and session.n_tokens == 0:
+            session.pin_next(self.count(tokenizer, first_ids, system))
 
 
 class TextStream:
@@ -126,16 +192,18 @@ class Chat:
     Chat is a conversation or a completion, not both (the template's text and raw text would interleave).
 
     system: the system prompt of the conversation. max_new_tokens / stop: each reply's defaults (a stop
-    string ends a reply and is cut off). `on_text`, given to a call, sees the reply's text as it grows.
+    string ends a reply and is cut off). pins: what the conversation pins from its start (`Pins`; the session
+    needs room for them, `pins=` of its creation). `on_text`, given to a call, sees the reply's text as it grows.
     After each call `stop_reason` is "eos", "stop" or "length" and `n_generated` the tokens it generated.
     """
 
     def __init__(self, session, tokenizer, *, system: str | None = None, max_new_tokens: int = 256,
-                 stop: tuple[str, ...] = ()):
+                 stop: tuple[str, ...] = (), pins: Pins | None = None):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         self.session, self.tokenizer = session, tokenizer
         self.system, self.max_new_tokens, self.stop = system, max_new_tokens, tuple(stop)
+        self.pins = Pins() if pins is None else pins
         self.stop_reason: str | None = None
         self.n_generated = 0
         self.reset(cache=False)
@@ -158,7 +226,14 @@ class Chat:
         if not has_chat_template(self.tokenizer):
             raise ValueError("the tokenizer has no chat template: use complete() for plain text")
         self._enter("chat")
-        reply = self._reply(self._feed.user_turn(text), max_new_tokens, stop, on_text)
+        before = (list(self._feed.messages), self._feed.fed_text)
+        ids = self._feed.user_turn(text)
+        try:
+            self.pins.apply(self.session, self.tokenizer, ids, self.system)
+        except ValueError:  # nothing was fed: the conversation stays as it was
+            self._feed.messages, self._feed.fed_text = before
+            raise
+        reply = self._reply(ids, max_new_tokens, stop, on_text)
         self._feed.assistant_reply(reply)
         return reply
 
@@ -166,7 +241,9 @@ class Chat:
                  on_text: Callable[[str], None] | None = None) -> str:
         """The continuation of `text` (fed as plain text after everything fed so far)."""
         self._enter("completion")
-        return self._reply(self.tokenizer.encode(text), max_new_tokens, stop, on_text)
+        ids = self.tokenizer.encode(text)
+        dataclasses.replace(self.pins, system=False).apply(self.session, self.tokenizer, ids, None)  # no template
+        return self._reply(ids, max_new_tokens, stop, on_text)
 
     def _enter(self, mode: str) -> None:
         if self._mode not in (None, mode):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from rsqr_jax import attention
 from rsqr_jax.cache import KVCache, logical_dtype, read_layer, write_kv
-from rsqr_jax.recall import extend_raw_segment, read_cold_slots, recalled_tokens, write_cold
+from rsqr_jax.recall import extend_raw_segment, extend_window_segment, read_cold_slots, recalled_tokens, write_cold
 from rsqr_jax.rope import rotate_keys
 from rsqr_jax.update import StepPlan
 
@@ -90,20 +90,24 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
     surv_rot_pos, surv_valid, q_pos_surv = bc(ka.surv_rot_pos_S), bc(ka.surv_valid_S), bc(ka.q_pos_surv_C)
 
-    def attend(surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv):
-        return attention.attend(q_BxCxHqxD, win_k, win_v, bc(ka.win_pos_W), surv_k, surv_v, surv_rot_pos,
-                                surv_valid, bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
-
+    plain_win = (win_k, win_v, bc(ka.win_pos_W))
     plain = (surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv)
+
+    def attend(win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv):
+        return attention.attend(q_BxCxHqxD, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid,
+                                bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
+
     rc = plan.recall
     if not rc.max_pages:
-        return attend(*plain), cache
+        return attend(*plain_win, *plain), cache
 
     def with_recall():  # the recall tier (rsqr_jax.recall)
         read_sum, read_lo, read_hi, glob = summaries
         rec = recalled_tokens(q_BxCxHqxD, lambda slots: read_cold_slots(cache, layer, slots), read_sum(), read_lo(),
                               read_hi(), glob, plan.next.cold_pos, rc, ka.surv_valid_S, inv_freq)
-        return attend(*extend_raw_segment(*plain, rc, *rec))
+        if rc.placement == "rank":  # in the raw segment, at their ranks
+            return attend(*plain_win, *extend_raw_segment(*plain, rc, *rec))
+        return attend(*extend_window_segment(*plain_win, rc, *rec, inv_freq), *plain)
 
     if not rc.score_block:  # every page scored at every step, the store empty or not
         return with_recall(), cache
@@ -111,4 +115,4 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     # attends recalled slots. The recalled slots would all be invalid, and masked slots change no bit of the
     # attention (tests/test_recall.py). Only the attention output leaves the cond, so under vmap (where it is a
     # select that runs both branches) the price is one plain attention per layer, not a select of the cache.
-    return jax.lax.cond(rc.live_pages > 0, with_recall, lambda: attend(*plain)), cache
+    return jax.lax.cond(rc.live_pages > 0, with_recall, lambda: attend(*plain_win, *plain)), cache

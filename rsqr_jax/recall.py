@@ -30,9 +30,9 @@ SCORE_BLOCK_PAGES = 64
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block"],
+                   meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block", "placement"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel",
-                                "live_pages"])
+                                "live_pages", "fixed_pos"])
 @dataclasses.dataclass(frozen=True)
 class Recall:
     """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
@@ -46,7 +46,9 @@ class Recall:
     scoring copy of every key for "max" (never inferred from which arrays are empty); live_pages: the leading pages that may hold a
     recallable token (the ring fills from slot 0 until it wraps; 0 = nothing to recall this step, or
     k_pages = 0: the layers skip recall); score_block (static): pages scored per block of that prefix (0 =
-    every page, every step)."""
+    every page, every step); placement (static, spec.PLACEMENTS): where recalled tokens sit; fixed_pos: the
+    global position the "fixed" placement rotates every recalled key at (the chunk's first position minus the
+    policy's window)."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -60,7 +62,8 @@ class Recall:
     page_score: str = "mean"
     live_pages: jax.Array | None = None
     score_block: int = 0
-
+    placement: str = "rank"
+    fixed_pos: jax.Array | None = None
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                 hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
@@ -262,6 +265,21 @@ def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_s
     rot_pos = jnp.where(recall.in_kernel & valid, rank, jnp.pad(surv_rot_pos_BxS, ((0, 0), (0, rec_gpos_BxR.shape[1]))))
     q_pos_surv = q_pos_surv_BxC + jnp.sum(rec_valid_BxR, axis=1, dtype=jnp.int32)[:, None]
     return k, v, rot_pos, valid, q_pos_surv
+
+
+def extend_window_segment(win_k, win_v, win_pos_BxW, recall: Recall, rec_k, rec_v, rec_gpos_BxR, rec_valid_BxR,
+                          inv_freq):
+    """The window segment with the recalled tokens added, for the "true" and "fixed" placements (rsqr: the
+    window's query sits at its global position t). Each recalled raw key is rotated once, at its global position
+    ("true": seen at its true distance t - g) or at recall.fixed_pos ("fixed": every one at the same distance),
+    in float32 and rounded to the window's dtype like a window key. Returns (k, v, pos)."""
+    pos_BxR = rec_gpos_BxR if recall.placement == "true" else jnp.broadcast_to(recall.fixed_pos, rec_gpos_BxR.shape)
+    pos_BxR = jnp.where(rec_valid_BxR, pos_BxR, 0)  # an empty slot's position (-1) is never attended
+    cos, sin = rope_cos_sin(pos_BxR, inv_freq)  # [B, R, D/2]
+    rot_k = rotate_half_split(rec_k, cos[:, None], sin[:, None]).astype(win_k.dtype)
+    k = jnp.concatenate([win_k, rot_k], axis=2)
+    v = jnp.concatenate([win_v, rec_v.astype(win_v.dtype)], axis=2)
+    return k, v, jnp.concatenate([win_pos_BxW, jnp.where(rec_valid_BxR, pos_BxR, -1)], axis=1)
 
 
 # ----------------------------------------------------------------------------------------------------

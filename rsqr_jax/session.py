@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rsqr_jax.cache import MAX_POSITION, KVCache, cold_slots_in_use, cut_cold_store, grow_cold_store, init_cache
+from rsqr_jax.cache import (MAX_POSITION, KVCache, cold_slots_in_use, cut_cold_store, grow_cold_store, init_cache,
+                            pin_span, pinned_count)
 from rsqr_jax.engine import Decoder, SamplerState, policy_values
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy, host_policies
@@ -88,13 +89,15 @@ class Session:
 
     @classmethod
     def create(cls, apply_fn: Callable, params, policy: Policy, *, dims, chunk: int | None = None,
-               dtype: str = "float32", max_len: int = 0, cold: ColdStore | None = None, **kwargs) -> "Session":
+               dtype: str = "float32", max_len: int = 0, cold: ColdStore | None = None, pins: int = 0,
+               **kwargs) -> "Session":
         """A session with its cache spec derived from the policy and the model's `dims` (anything with
         num_layers, num_kv_heads, head_dim: a model config), prefilling in chunks of `chunk` tokens (default
         64, at most the policy's window), the one value the spec's max_chunk and the prefill chunk must share.
 
         dtype: the cache's storage dtype. max_len: the positions a `full` policy's cache holds (required for
-        it; the other policies are bounded by themselves). cold: the recall tier's cold store. The other
+        it; the other policies are bounded by themselves). cold: the recall tier's cold store. pins: room for
+        that many pinned tokens (`pin_next`, `feed(..., pin=True)`; docs/design.md §3c). The other
         keywords (sampling, seed, eos_ids, vocab_size, gen_block, max_candidates) are the constructor's.
         """
         hosts = host_policies(policy)
@@ -108,7 +111,7 @@ class Session:
         if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
         spec = CacheSpec.for_policies(policy, dims=dims, dtype=dtype, max_chunk=int(chunk), max_len=max_len,
-                                      cold=cold)
+                                      cold=cold, pins=pins)
         return cls(apply_fn, params, spec, policy, prefill_chunk=int(chunk), **kwargs)
 
     @property
@@ -183,9 +186,24 @@ class Session:
         if int(self.cache.t) + n > MAX_POSITION:
             raise ValueError(f"the stream would pass global position {MAX_POSITION} (int32 positions)")
 
-    def feed(self, ids: Iterable[int]) -> int:
-        """Append tokens (prefill in chunks); returns and remembers the sampled next token."""
+    @property
+    def pinned(self) -> int:
+        """Tokens pinned so far."""
+        return pinned_count(self.cache)
+
+    def pin_next(self, n: int) -> None:
+        """Pin the next n tokens to be fed: kept forever, exactly, beside the sinks (docs/design.md §3c; the
+        system prompt, a first turn, llama.cpp's n_keep). Raises PinError (one line) past the session's room
+        (`pins=` of `create`) or under a policy that keeps no pins; nothing changes then."""
+        t = int(self.cache.t)
+        self.cache = pin_span(self.cache, self.spec, t, t + int(n), self.policy)
+
+    def feed(self, ids: Iterable[int], *, pin: bool = False) -> int:
+        """Append tokens (prefill in chunks); returns and remembers the sampled next token. pin: pin these
+        tokens (`pin_next`), checked before anything is fed."""
         ids = self._check_ids(ids)
+        if pin:
+            self.pin_next(ids.size)
         P = self.prefill_chunk
         for start in range(0, ids.size, P):
             part = ids[start:start + P]

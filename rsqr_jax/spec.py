@@ -28,19 +28,33 @@ SHORTLIST_PER_PAGE = 16
 # The default: "max" answers 35/40 mid-stream facts where "mean" answers 19/40 (docs/recall_tier.md), for
 # ~1.3x the per-token time of "mean" with the default 4096-token store (more for larger stores).
 DEFAULT_PAGE_SCORE = "max"
+# Where recalled tokens sit on the query's timeline (docs/design.md §3b). Recalled keys are raw, so each is
+# rotated once from raw whatever the placement. "rank": at their rank among sinks, pins and survivors in the
+# raw segment (the survivor-segment query moves past them; distances stay bounded by the cache). "true": at
+# their global position, seen from the query at their true distance t - g (attended in the window segment,
+# whose query sits at t; distances grow with the stream). "fixed": every recalled token at one distance from
+# the query, the policy's window W (InfLLM's choice; in a chunk, row c sees them at W + c).
+PLACEMENTS = ("rank", "true", "fixed")
+DEFAULT_PLACEMENT = "rank"
+# Pinned spans a stream may hold (docs/design.md §3c): each is a [start, stop) range of global positions, stream
+# state kept in the cache beside the positions (a system prompt, a first turn, the first K tokens, ...).
+PIN_SPANS = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class ColdStore:
     """The recall tier's cold store as one value, `CacheSpec.cold` (docs/design.md §3b): capacity (evicted
     tokens kept at least), page_size, page_score (the rule that ranks pages, PAGE_SCORES: it also names the
-    summaries the store keeps) and neighbors (pages on each side of a chosen page that come back with it).
-    Validated here, once; ValueError on impossible values."""
+    summaries the store keeps), neighbors (pages on each side of a chosen page that come back with it) and
+    placement (where recalled tokens sit, PLACEMENTS). The placement is static, a compilation of its own: "rank"
+    extends the raw segment and the others the window segment, so a dynamic choice would carry both in every
+    step. Validated here, once; ValueError on impossible values."""
 
     capacity: int = 4096
     page_size: int = 16
     page_score: str = DEFAULT_PAGE_SCORE
     neighbors: int = 0
+    placement: str = DEFAULT_PLACEMENT
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -52,6 +66,8 @@ class ColdStore:
             raise ValueError(f"unknown page score {self.page_score!r}: choose one of {', '.join(PAGE_SCORES)}")
         if self.neighbors < 0:
             raise ValueError(f"recall neighbors must be >= 0, got {self.neighbors}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
 
     @property
     def pages(self) -> int:
@@ -76,6 +92,8 @@ class CacheSpec:
     consecutive tokens, and the summaries its page rule needs; None: no cold store), from which a policy may
     recall up to max_recall_pages pages per layer and step, each with cold.neighbors pages on each side (a
     fact that straddles a page boundary returns whole; duplicates count once).
+    pins: pinned tokens the survivor segment holds besides sinks and survivors (docs/design.md §3c; the spans
+    themselves are stream state, in the cache: `rsqr_jax.cache.pin_span`); 0 = no pinning.
     """
 
     num_layers: int
@@ -90,12 +108,13 @@ class CacheSpec:
     max_chunk: int = 1
     cold: ColdStore | None = None
     max_recall_pages: int = 0
+    pins: int = 0
 
     def __post_init__(self):
         for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "win_capacity", "surv_capacity", "max_chunk",
-                     "max_recall_pages"):
+                     "max_recall_pages", "pins"):
             v = getattr(self, name)
-            low = 0 if name in ("surv_capacity", "max_recall_pages") else 1
+            low = 0 if name in ("surv_capacity", "max_recall_pages", "pins") else 1
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"CacheSpec.{name} must be an integer >= {low}, got {v!r}")
         if self.head_dim % 2:
@@ -143,7 +162,8 @@ class CacheSpec:
         if self.cold is None:
             return {}
         return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.cold.neighbors,
-                "recall_shortlist": self.shortlist_pages, "page_score": self.cold.page_score}
+                "recall_shortlist": self.shortlist_pages, "page_score": self.cold.page_score,
+                "placement": self.cold.placement}
 
     @property
     def shortlist_pages(self) -> int:
@@ -156,14 +176,16 @@ class CacheSpec:
     def for_policies(cls, policies: Policy | list[Policy], *, dims=None, num_layers: int | None = None,
                      num_kv_heads: int | None = None, head_dim: int | None = None,
                      batch: int = 1, dtype: str = "float32", max_chunk: int = 1, max_len: int = 0,
-                     cold: ColdStore | None = None, max_recall_pages: int | None = None) -> "CacheSpec":
+                     cold: ColdStore | None = None, max_recall_pages: int | None = None,
+                     pins: int = 0) -> "CacheSpec":
         """The smallest spec that holds every given policy (a sweep batch gets the union).
 
         dims: the model's cache dimensions, anything with num_layers, num_kv_heads and head_dim (a model
         config, or a dict of them), so a caller need not copy them by hand; an explicit keyword must agree.
         max_len bounds the stream for `full` (its window must hold everything) and nothing else.
         cold: the recall tier's cold store (None: none); max_recall_pages defaults to the largest recall_pages
-        of the policies.
+        of the policies. pins: room for that many pinned tokens (docs/design.md §3c), added to the survivor
+        segment of the policies that keep sinks.
         """
         num_layers, num_kv_heads, head_dim = model_dims(dims, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                                         head_dim=head_dim)
@@ -171,13 +193,13 @@ class CacheSpec:
         win, surv, pre, tok = 1, 0, False, False
         for h in hosts:
             w, s = _needed(h, max_chunk, max_len)
-            win, surv = max(win, w), max(surv, s)
+            win, surv = max(win, w), max(surv, s + (pins if keeps_pins(h) else 0))
             pre |= h["mode"] == P.RSQR_PRECOMPUTE
             tok |= h["mode"] == P.REPLAY
         if max_recall_pages is None:
             max_recall_pages = max(h["recall_pages"] for h in hosts)
         return cls(num_layers, batch, num_kv_heads, head_dim, win, surv, float_dtype_name(dtype), pre, tok, max_chunk,
-                   cold, max_recall_pages)
+                   cold, max_recall_pages, pins)
 
     def to_json(self) -> dict:
         """The spec as a session file holds it (the cold store nested, or None)."""
@@ -214,10 +236,12 @@ class CacheSpec:
         out = {
             "window": self.win_capacity * self.entry_bytes,
             "shadow": shadow,
-            "survivors": surv_total - shadow,
+            "survivors": surv_total - shadow - min(self.pins, self.surv_capacity) * self.entry_bytes,
+            "pins": min(self.pins, self.surv_capacity) * self.entry_bytes,
             "precompute": self.surv_capacity * key_bytes if self.precompute else 0,
             "token_ids": (self.win_capacity + self.surv_capacity) * self.batch * 4 if self.token_ids else 0,
-            "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1) * 4,
+            "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1
+                          + (2 * PIN_SPANS if self.pins else 0)) * 4,
             "cold_store": self.cold_slots * (self.entry_bytes + 4)
             + self.cold_pages * summary_bytes * (3 if self.page_score == "quest" else 1)
             + (self.cold_slots * summary_bytes if self.page_score == "max" else 0),  # the float32 scoring copy
@@ -263,6 +287,12 @@ def float_dtype_name(dtype) -> str:
     return str(dt)
 
 
+def keeps_pins(h: dict) -> bool:
+    """Whether a policy keeps pinned spans: every policy with sinks (`full` keeps everything anyway; `window` is
+    the last W tokens by definition)."""
+    return h["mode"] not in (P.FULL, P.WINDOW)
+
+
 def _shadow_slots(h: dict, max_chunk: int) -> int:
     if h["delta"] <= 0:
         return 0
@@ -292,12 +322,14 @@ def validate(policy: Policy, spec: CacheSpec, *, chunk: int = 1) -> None:
         if h["mode"] != P.FULL and chunk > h["window"]:
             raise PolicyError(f"{name}: chunk {chunk} is larger than the window {h['window']}; use --chunk <= window")
         win, surv = _needed(h, chunk, 0)
+        surv += spec.pins if keeps_pins(h) else 0
         if h["mode"] != P.FULL and win > spec.win_capacity:
             raise PolicyError(f"{name}: window {h['window']} + block {h['block']} - 1 exceeds the window capacity "
                               f"{spec.win_capacity}")
         if surv > spec.surv_capacity:
-            raise PolicyError(f"{name}: {h['n_sink']} sinks + {h['max_survivors']} survivors (+ shadow slots) exceed "
-                              f"the survivor capacity {spec.surv_capacity}")
+            raise PolicyError(f"{name}: {h['n_sink']} sinks + {h['max_survivors']} survivors (+ shadow slots"
+                              f"{f' + {spec.pins} pins' if spec.pins else ''}) exceed the survivor capacity "
+                              f"{spec.surv_capacity}")
         if h["mode"] == P.RSQR_PRECOMPUTE and not spec.precompute:
             raise PolicyError("rsqr_precompute needs a cache with the precompute copy (CacheSpec.precompute)")
         if h["mode"] == P.REPLAY and not spec.token_ids:
@@ -305,6 +337,9 @@ def validate(policy: Policy, spec: CacheSpec, *, chunk: int = 1) -> None:
         if h["recall_pages"] and P.MODES[h["mode"]] not in P.RECALL_MODES:
             raise PolicyError(f"{name} cannot recall evicted tokens (recall_pages needs one of "
                               f"{', '.join(P.RECALL_MODES)})")
+        if h["recall_pages"] and spec.cold is not None and spec.cold.placement != "rank" and h["mode"] != P.RSQR:
+            raise PolicyError(f"{name}: placement {spec.cold.placement!r} needs rsqr (its window is on the global "
+                              f"timeline; {name}'s is on the rank timeline)")
         if h["recall_pages"] > spec.max_recall_pages:
             raise PolicyError(f"{name}: recall_pages {h['recall_pages']} exceeds the cache's max_recall_pages "
                               f"{spec.max_recall_pages}" + ("" if spec.cold is not None else " (no cold store)"))

@@ -111,16 +111,24 @@ class StepPlan:
     next: Positions
 
 
+def _pinned(g_N: jax.Array, cache: KVCache) -> jax.Array:
+    """Which global positions lie in a pinned span of the cache (docs/design.md §3c)."""
+    if not cache.pin_lo.shape[0]:
+        return jnp.zeros(g_N.shape, bool)
+    return jnp.any((cache.pin_lo <= g_N[:, None]) & (g_N[:, None] < cache.pin_hi), axis=1)
+
+
 def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
               max_recall_pages: int = 0, recall_neighbors: int = 0, recall_shortlist: int = 0,
-              page_score: str = "mean") -> StepPlan:
+              page_score: str = "mean", placement: str = "rank") -> StepPlan:
     """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
 
     Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
     token that is exactly DESIGN's set(t); for a chunk it is StreamingLLM's evict-for-space).
     max_recall_pages / recall_neighbors / recall_shortlist / page_score (static, CacheSpec.recall_args): how
     many cold pages a layer may choose, the pages on each side of a chosen one that come with it, the
-    "shortlist" rule's page count, and the rule itself (which page summaries the cold store keeps and scores).
+    "shortlist" rule's page count, the rule itself (which page summaries the cold store keeps and scores) and
+    where recalled tokens sit (spec.PLACEMENTS).
     """
     C = chunk
     n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)
@@ -136,15 +144,17 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     win_slot = jnp.where(real_C, g_C % W, W)
     win_pos = cache.win_pos.at[win_slot].set(g_C, mode="drop")
 
-    # Sinks and flagged tokens get a survivor entry on arrival (their raw shadow while in the window).
-    need_C = real_C & ((r_C < N) | is_flagged(r_C, N, policy.delta))
+    # Sinks, pinned and flagged tokens get a survivor entry on arrival (their raw shadow while in the window).
+    keeps_pins = (policy.mode != P.FULL) & (policy.mode != P.WINDOW)
+    pin_C = keeps_pins & _pinned(g_C, cache)
+    need_C = real_C & ((r_C < N) | is_flagged(r_C, N, policy.delta) | pin_C)
     free_slots = jnp.nonzero(cache.surv_pos < 0, size=C, fill_value=S)[0] if S else jnp.full((C,), S)
     k_C = jnp.clip(jnp.cumsum(need_C) - 1, 0, C - 1)
     surv_slot = jnp.where(need_C, free_slots[k_C], S)
     surv_pos = cache.surv_pos.at[surv_slot].set(g_C, mode="drop")
 
-    # Overflow: too many non-sink survivors (entries that left the window).
-    ev = (surv_pos >= 0) & (surv_pos < w0) & (surv_pos - cache.start >= N)
+    # Overflow: too many survivors that are neither sinks nor pinned (entries that left the window).
+    ev = (surv_pos >= 0) & (surv_pos < w0) & (surv_pos - cache.start >= N) & ~_pinned(surv_pos, cache)
     k_ev = jnp.sum(ev)
     age = order_index(ev, surv_pos)
     cap = policy.max_survivors
@@ -211,7 +221,8 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
                     surv_gpos_S=surv_pos, q_global_C=g_C, q_real_C=real_C, in_kernel=mode.surv_in_kernel,
                     max_pages=max_recall_pages if Nc else 0, neighbors=recall_neighbors,
                     shortlist=recall_shortlist if Nc else 0, page_score=page_score, live_pages=live_pages,
-                    score_block=_recall.SCORE_BLOCK_PAGES)
+                    score_block=_recall.SCORE_BLOCK_PAGES, placement=placement,
+                    fixed_pos=g_C[0] - policy.window)
 
     return StepPlan(
         writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, first_C),
@@ -282,15 +293,11 @@ def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
 
 
 def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
-         n_valid: jax.Array | int | None = None, *, max_recall_pages: int = 0,
-         recall_neighbors: int = 0, recall_shortlist: int = 0, page_score: str = "mean") -> tuple[jax.Array, KVCache]:
+         n_valid: jax.Array | int | None = None, **recall_args) -> tuple[jax.Array, KVCache]:
     """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache.
 
-    max_recall_pages / recall_neighbors / recall_shortlist / page_score (static, CacheSpec.recall_args): pages
-    each layer may recall from the cold store, the neighbouring pages that come with each, the shortlist's
-    length, the page rule."""
-    plan = plan_step(cache, policy, tokens_BxC.shape[1], n_valid, max_recall_pages=max_recall_pages,
-                     recall_neighbors=recall_neighbors, recall_shortlist=recall_shortlist, page_score=page_score)
+    recall_args (static, CacheSpec.recall_args): the recall tier's keywords of `plan_step`."""
+    plan = plan_step(cache, policy, tokens_BxC.shape[1], n_valid, **recall_args)
     if cache.win_tok.shape[1]:
         cache = cache.replace(win_tok=cache.win_tok.at[:, plan.writes.win_slot_C].set(tokens_BxC, mode="drop"))
     if cache.surv_tok.shape[1]:

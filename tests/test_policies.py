@@ -252,20 +252,20 @@ def test_rsqr_float32_attention_matches_oracle_at_every_step():
 # ---------------------------------------------------------------------------------------------------------
 # Which tokens stay: the cache bookkeeping against the pure-Python model of docs/design.md §3.
 
-SET_SPEC = CacheSpec(num_layers=1, batch=1, num_kv_heads=1, head_dim=2, win_capacity=24, surv_capacity=40,
-                     max_chunk=4)
+SET_SPEC = CacheSpec(num_layers=1, batch=1, num_kv_heads=1, head_dim=2, win_capacity=24, surv_capacity=64,
+                     max_chunk=4, pins=24)
 
 
 @functools.lru_cache(maxsize=None)
 def _positions_runner(chunk: int, n_steps: int):
     @jax.jit
-    def run(policy):
+    def run(policy, cache):
         def body(cache, _):
             plan = plan_step(cache, policy, chunk)
             cache = commit(cache, plan)
             return cache, (cache.win_pos, cache.surv_pos, cache.t)
 
-        return jax.lax.scan(body, init_cache(SET_SPEC), None, length=n_steps)[1]
+        return jax.lax.scan(body, cache, None, length=n_steps)[1]
 
     return run
 
@@ -273,19 +273,27 @@ def _positions_runner(chunk: int, n_steps: int):
 @settings(max_examples=60, deadline=None)
 @given(window=st.integers(1, 12), n_sink=st.integers(0, 4), delta=st.integers(0, 5), cap=st.integers(1, 6),
        block=st.integers(1, 4), overflow=st.sampled_from(["fifo", "decimate"]), chunk=st.sampled_from([1, 1, 2, 4]),
-       mode=st.sampled_from(["rsqr", "leave_gaps", "rerotate", "streamingllm", "window"]))
-def test_token_set_matches_design_model(window, n_sink, delta, cap, block, overflow, chunk, mode):
+       mode=st.sampled_from(["rsqr", "leave_gaps", "rerotate", "streamingllm", "window"]),
+       spans=st.lists(st.tuples(st.integers(0, 44), st.integers(1, 8)), max_size=3))
+def test_token_set_matches_design_model(window, n_sink, delta, cap, block, overflow, chunk, mode, spans):
+    """spans: pinned [start, start + length) ranges (docs/design.md §3c; `window` keeps no pins by definition)."""
     chunk = min(chunk, window)
     pol = P.make_policy(mode, window=window, n_sink=n_sink, delta=delta, max_survivors=cap, block=block,
                         overflow=overflow)
     h = pol.host()
+    from rsqr_jax.cache import pin_span
     from rsqr_jax.spec import validate
 
     validate(pol, SET_SPEC, chunk=chunk)
+    cache = init_cache(SET_SPEC)
+    for a, n in spans:
+        cache = pin_span(cache, SET_SPEC, a, a + n)  # no policy given: the plan itself must leave `window` alone
+    pinned = {g for a, n in spans for g in range(a, a + n)} if mode != "window" else set()
     n_steps = 48 // chunk
-    ring, surv, ts = (np.asarray(x) for x in _positions_runner(chunk, n_steps)(pol))
+    ring, surv, ts = (np.asarray(x) for x in _positions_runner(chunk, n_steps)(pol, cache))
     ref = reference_token_sets(n_steps * chunk, window=h["window"], n_sink=h["n_sink"], delta=h["delta"],
-                               max_survivors=h["max_survivors"], block=h["block"], overflow=overflow, chunk=chunk)
+                               max_survivors=h["max_survivors"], block=h["block"], overflow=overflow, chunk=chunk,
+                               pinned=pinned)
     for i, (n, expected) in enumerate(ref):
         assert ts[i] == n
         from rsqr_jax.policy import window_start

@@ -85,6 +85,10 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
                    "page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
     g.add_argument("--recall-neighbors", type=int, default=0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
+    g.add_argument("--placement", default=None,
+                   help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
+                   "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
+                   "rsqr only); docs/recall_tier.md compares them")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -113,11 +117,14 @@ def policy_from_args(args):
 
 
 def cold_store_flags(args):
-    """The ColdStore of --cold-capacity --page-size --page-score --recall-neighbors; one-line errors."""
+    """The ColdStore of --cold-capacity --page-size --page-score --recall-neighbors --placement; one-line
+    errors."""
     from rsqr_jax.spec import ColdStore
 
     try:
-        rule = {"page_score": args.page_score} if args.page_score else {}  # else ColdStore's default
+        rule = {"page_score": args.page_score} if args.page_score else {}  # else ColdStore's defaults
+        if getattr(args, "placement", None):
+            rule["placement"] = args.placement
         return ColdStore(args.cold_capacity, args.page_size, neighbors=args.recall_neighbors, **rule)
     except ValueError as e:
         raise UsageError(f"recall flags: {e}") from None

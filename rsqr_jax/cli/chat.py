@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 
-from rsqr_jax.conversation import ChatFeed, generate_reply
+from rsqr_jax.conversation import ChatFeed, Pins, generate_reply
 from rsqr_jax.eval.runtime import ConfigError, write_json_atomic
 
 
@@ -186,7 +186,10 @@ def describe_cache(spec, policy) -> str:
             shape += f", {h['max_survivors']} survivors (every {h['delta']}th evicted token)"
         if h["recall_pages"]:
             shape += (f", recall {h['recall_pages']} pages of {spec.cold.page_size} from a "
-                      f"{spec.cold.capacity}-token cold store")
+                      f"{spec.cold.capacity}-token cold store"
+                      + (f" ({spec.cold.placement} placement)" if spec.cold.placement != "rank" else ""))
+        if spec.pins:
+            shape += f", room for {spec.pins} pinned tokens ({parts['pins'] / 2**20:.2f} MiB)"
     mib = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items() if k != "total" and v >= 2**19)
     return f"cache: {shape}; {parts['total'] / 2**20:.1f} MiB" + (f" ({mib})" if mib else "")
 
@@ -304,8 +307,17 @@ def saved_settings(header: dict) -> dict:
             "dtype": cache_dtype_, "cache_dtype": cache_dtype_,
             "weights_dtype": header["identity"].get("dtype", cache_dtype_),
             **({"cold_capacity": cold.capacity, "page_size": cold.page_size, "page_score": cold.page_score,
-                "recall_neighbors": cold.neighbors} if (cold := CacheSpec.from_json(header["spec"]).cold) else {}),
+                "recall_neighbors": cold.neighbors, "placement": cold.placement}
+               if (cold := CacheSpec.from_json(header["spec"]).cold) else {}),
+            **_saved_pins(header),
             "chat": bool(header["extra"].get("chat", False))}
+
+
+def _saved_pins(header: dict) -> dict:
+    """The pin flags a saved session fixes (its spans are in its cache; these pin a stream /reset starts)."""
+    pins = Pins(**header["extra"].get("pins", {}))
+    return {"keep": pins.keep, "pin_system": pins.system, "pin_first_turn": pins.first_turn,
+            "pin_room": int(header["spec"].get("pins", 0))}
 
 
 def apply_resume(settings: dict, header: dict, given: set[str]) -> dict:
@@ -360,7 +372,8 @@ class ChatConfig:
     """turns None: the interactive loop (one turn per line of stdin; /exit, /reset). chat: feed turns through
     the chat template (else plain completion). save: session file written after every turn. system: the system
     prompt of a new chat. stop: strings that end a reply (cut before them). demo: the memory demo whose facts
-    the run tracks (positions, in the cache or not, named in the answer)."""
+    the run tracks (positions, in the cache or not, named in the answer). pins: what a new stream pins from its
+    start (rsqr_jax.conversation.Pins)."""
 
     turns: tuple[str, ...] | None
     chat: bool
@@ -369,6 +382,7 @@ class ChatConfig:
     system: str | None = None
     stop: tuple[str, ...] = ()
     demo: MemoryDemo | None = None
+    pins: Pins = Pins()
 
 
 @dataclasses.dataclass
@@ -497,8 +511,9 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
             status(describe_memory(result.memory))
         t0 = time.perf_counter()
         try:
+            config.pins.apply(session, tok, ids, config.system if chat else None)
             session.feed(ids)
-        except ValueError as e:  # e.g. a resumed `full` session whose cache is full
+        except ValueError as e:  # e.g. a resumed `full` session whose cache is full, or no room for the pins
             raise ConfigError(str(e)) from None
         result.prefill_s += time.perf_counter() - t0
         result.n_prompt_tokens += len(ids)
@@ -530,7 +545,7 @@ def run(config: ChatConfig, session, tokenizer, *, identity: dict | None = None,
             feeder.assistant_reply(text)
         if config.save is not None:
             extra = ({"chat": True, "messages": feeder.messages, "fed_text": feeder.fed_text} if chat
-                     else {"chat": False})
+                     else {"chat": False}) | ({"pins": dataclasses.asdict(config.pins)} if config.pins else {})
             try:
                 session.save(config.save, identity, extra=extra)
             except SessionFileError as e:

@@ -34,6 +34,9 @@ from rsqr_jax.cli.args import (Parser, UsageError, add_model_args, add_policy_ar
 DEMO_MAX_NEW_TOKENS = 128
 
 
+FIRST_TURN_ROOM = 1024  # pinned slots --pin-first-turn reserves unless --pin-room says otherwise
+
+
 def build_parser() -> Parser:
     from rsqr_jax.cli.chat import CHAT_SAMPLING
 
@@ -44,6 +47,15 @@ def build_parser() -> Parser:
     g.add_argument("--chat", action="store_true", help="interactive chat: one user turn per line of stdin")
     g.add_argument("--system", default=None, help="system prompt of a new chat (default: the template's own)")
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    g.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="pin the first N tokens of the stream: kept forever, exactly, beside the sinks (llama.cpp's "
+                        "--keep)")
+    g.add_argument("--pin-system", action="store_true", help="pin the system prompt (as the chat template renders it)")
+    g.add_argument("--pin-first-turn", action="store_true",
+                   help="pin the whole first prompt: the system prompt and the first user turn")
+    g.add_argument("--pin-room", type=int, default=None, metavar="N",
+                   help=f"pinned tokens the cache has room for (default: what --keep and --pin-system need; "
+                        f"{FIRST_TURN_ROOM} with --pin-first-turn)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end a reply where TEXT appears (repeatable; the text is cut before it)")
     g.add_argument("--max-new-tokens", type=int, default=None,
@@ -114,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                           seed=args.seed, prefill_chunk=args.prefill_chunk, **sampling_flags(args))
     if any(not s for s in args.stop):
         raise UsageError("--stop needs a non-empty text")
+    if args.keep < 0 or (args.pin_room is not None and args.pin_room < 0):
+        raise UsageError("--keep and --pin-room must be >= 0")
+    if args.raw and (args.pin_system or args.pin_first_turn):
+        raise UsageError("--pin-system and --pin-first-turn need the chat template: use --keep N with --raw")
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out}: not a directory")
     if args.prompts_jsonl is not None:
@@ -132,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     resolve_recall_default(args)
     prompt = chat.read_prompt(args.prompt, args.prompt_file)
     policy = policy_from_args(args)
+    pins = conversation.Pins(args.keep, args.pin_system, args.pin_first_turn)
+    if (pins or args.pin_room) and args.policy in ("full", "window"):
+        raise UsageError(f"--policy {args.policy} keeps no pinned tokens (full keeps everything, window only the "
+                         f"last W): pin under a policy with sinks")
     turns = chat.plan_turns(prompt, args.chat, resumed=header is not None)
     demo = chat.DEMO if turns is chat.DEMO.turns else None
     if args.max_new_tokens is None:
@@ -176,7 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         system = args.system if args.system is not None else (chat.DEMO.system if demo else None)
         values = chat.resolve_sampling(sampling_flags(args), load_generation_defaults(model_path))
         seed = chat.draw_seed() if args.seed is None else args.seed
-        spec = CacheSpec.for_policies(policy, **sizes,
+        if pins and not is_chat and (pins.system or pins.first_turn):
+            raise UsageError(f"--pin-system and --pin-first-turn need a chat template, and "
+                             f"{os.path.basename(model_path)} has none")
+        try:
+            room = args.pin_room if args.pin_room is not None else pins.room(tok, system, FIRST_TURN_ROOM)
+        except ValueError as e:
+            raise UsageError(f"--pin-system: {e}") from None
+        spec = CacheSpec.for_policies(policy, **sizes, pins=room,
                                       max_len=chat.full_max_len(tok, turns, args.max_new_tokens, system))
         check_cache_fits(spec.bytes_by_part(policy)["total"])
         session = Session(apply_fn, params, spec, policy, prefill_chunk=chunk, sampling=Sampling(**values),
@@ -187,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         except SessionFileError as e:
             raise UsageError(str(e)) from None
         spec, is_chat, system = session.spec, bool(header["extra"].get("chat")), None
+        pins = conversation.Pins(**header["extra"].get("pins", {}))
         values, seed = session.sampling.to_json(), session.seed
         status(f"resumed {args.resume}: {session.n_tokens} tokens so far")
     status(chat.describe_cache(spec, policy))
@@ -198,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         status("chat: type a message and press Enter; /reset forgets the conversation, /exit (or Ctrl-D) ends it")
 
     config = chat.ChatConfig(turns, is_chat, args.max_new_tokens, save=args.save, system=system,
-                             stop=tuple(args.stop), demo=demo)
+                             stop=tuple(args.stop), demo=demo, pins=pins)
     result = chat.run(config, session, tok, identity=loaded.identity, out=sys.stderr if args.json else sys.stdout,
                       status=status)
     stops = ", ".join(f"{n} {k}" for k, n in sorted({s: result.stops.count(s) for s in result.stops}.items()))

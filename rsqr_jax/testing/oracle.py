@@ -8,8 +8,12 @@ import numpy as np
 
 
 def reference_token_sets(T, *, window, n_sink, delta, max_survivors, block, overflow="fifo", chunk=1,
-                         keep_all=False):
-    """List of (n_processed, sorted cached global positions) after each step of `chunk` tokens."""
+                         keep_all=False, pinned=()):
+    """List of (n_processed, sorted cached global positions) after each step of `chunk` tokens.
+
+    pinned: global positions kept forever beside the sinks (docs/design.md §3c); a pinned token that leaves
+    the window is not a survivor, so it never counts against max_survivors."""
+    pinned = set(pinned)
     if keep_all:
         return [(n, list(range(n))) for n in range(chunk, T + chunk, chunk) if n <= T] or []
     survivors: list[int] = []
@@ -25,7 +29,7 @@ def reference_token_sets(T, *, window, n_sink, delta, max_survivors, block, over
                 count -= block
         n += c
         for g in leaving:
-            if g >= n_sink and delta > 0 and (g - n_sink) % delta == delta - 1:
+            if g not in pinned and g >= n_sink and delta > 0 and (g - n_sink) % delta == delta - 1:
                 survivors.append(g)
         if len(survivors) > max_survivors:
             if overflow == "decimate":
@@ -33,7 +37,7 @@ def reference_token_sets(T, *, window, n_sink, delta, max_survivors, block, over
             while len(survivors) > max_survivors:
                 survivors.pop(0)
         w0 = n - count
-        cached = set(range(min(n_sink, n))) | set(survivors) | set(range(w0, n))
+        cached = set(range(min(n_sink, n))) | {g for g in pinned if g < n} | set(survivors) | set(range(w0, n))
         out.append((n, sorted(cached)))
     return out
 
@@ -53,11 +57,12 @@ def rope_f64(x, pos, inv_freq):
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def stream_logits_f64(weights, cfg, tokens, token_sets, semantics):
+def stream_logits_f64(weights, cfg, tokens, token_sets, semantics, positions=None):
     """float64 logits [T, V] of a single sequence streamed token by token.
 
     token_sets[t] = cached global positions after token t (must contain t). semantics 'rank': a cached
-    token sits at its rank in that set and the query at its own rank; 'global': both at global positions.
+    token sits at its rank in that set and the query at its own rank; 'global': both at global positions;
+    'given': positions[t] maps each cached global position (the query's, t, included) to its logical position.
     Raw K/V of a token are computed once, when it is processed (no consolidation). Vectorized over heads
     and cached keys, so a few hundred tokens of a 135M model take seconds.
     """
@@ -73,7 +78,10 @@ def stream_logits_f64(weights, cfg, tokens, token_sets, semantics):
     for t, tok in enumerate(tokens):
         cached = np.asarray(sorted(token_sets[t]))
         assert cached[-1] == t
-        pos_N = np.arange(len(cached)) if semantics == "rank" else cached
+        if semantics == "given":
+            pos_N = np.asarray([positions[t][g] for g in cached], np.float64)
+        else:
+            pos_N = np.arange(len(cached)) if semantics == "rank" else cached
         x = w["embed"][tok]
         for l in range(L):
             h = _rms(x, w["attn_norm"][l], cfg.rms_norm_eps)
