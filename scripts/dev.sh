@@ -36,7 +36,7 @@ case "$cmd" in
   setup) setup all ;;
   demo) setup runtime; exec "$VENV/bin/python" scripts/decode.py "$@" ;;
   # One pytest worker per core (pytest-xdist; RSQR_TEST_WORKERS=0 runs in one process), tests handed out as
-  # workers free up (the slow files would otherwise set the pace).
-  test) setup all; exec "$VENV/bin/python" -m pytest -q -n "${RSQR_TEST_WORKERS:-auto}" --dist worksteal "$@" ;;
+  # workers free up (the slow files would otherwise set the pace); the 25 slowest tests are listed at the end.
+  test) setup all; exec "$VENV/bin/python" -m pytest -q -n "${RSQR_TEST_WORKERS:-auto}" --dist worksteal --durations=25 "$@" ;;
   *) echo "dev.sh: unknown command '$cmd' (use demo, test or setup)" >&2; exit 2 ;;
 esac
