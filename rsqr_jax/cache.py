@@ -20,6 +20,9 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   its global position (only for page_score "max": scoring, never attended), cold_pos each slot's global
   position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
+* cold_choice / cold_choice_on [L, B, M or 0], cold_step [1 or 0]: with ColdStore.reselect > 1, the pages each
+  layer chose when it last scored the store (M = recall_pages_gathered, with an active mask) and the step count
+  that says when it scores again; empty otherwise.
 * pin_lo / pin_hi [PIN_SPANS or 0]: the pinned spans (docs/design.md §3c), [pin_lo, pin_hi) in global
   positions (empty: lo = hi); a pinned token takes a survivor entry on arrival, like a sink, and is kept
   forever, never counted against max_survivors. Set with `pin_span`, before the span is fed.
@@ -80,6 +83,9 @@ class KVCache:
     cold_hi: jax.Array
     cold_k_glob: jax.Array
     cold_pos: jax.Array
+    cold_choice: jax.Array
+    cold_choice_on: jax.Array
+    cold_step: jax.Array
     pin_lo: jax.Array
     pin_hi: jax.Array
     t: jax.Array
@@ -116,6 +122,9 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         cold_lo=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_hi=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, D), jnp.float32),
+        cold_choice=jnp.zeros((L, B, spec.recall_pages_gathered if spec.reselects else 0), jnp.int32),
+        cold_choice_on=jnp.zeros((L, B, spec.recall_pages_gathered if spec.reselects else 0), bool),
+        cold_step=jnp.zeros((1 if spec.reselects else 0,), jnp.int32),
         pin_lo=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
         pin_hi=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from rsqr_jax import attention
 from rsqr_jax.cache import KVCache, logical_dtype, read_layer, write_kv
-from rsqr_jax.recall import extend_raw_segment, extend_window_segment, read_cold_slots, recalled_tokens, write_cold
+from rsqr_jax.recall import (choose_pages_to_recall, extend_raw_segment, extend_window_segment, gather_recalled,
+                             read_cold_slots, write_cold)
 from rsqr_jax.rope import rotate_keys
 from rsqr_jax.update import StepPlan
 
@@ -101,18 +102,37 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     if not rc.max_pages:
         return attend(*plain_win, *plain), cache
 
+    Pg = cache.cold_pos.shape[0] // cache.cold_sum.shape[3]
+    kept = (cache.cold_choice[layer], cache.cold_choice_on[layer]) if rc.keeps_choice else None
+
     def with_recall():  # the recall tier (rsqr_jax.recall)
         read_sum, read_lo, read_hi, glob = summaries
-        rec = recalled_tokens(q_BxCxHqxD, lambda slots: read_cold_slots(cache, layer, slots), read_sum(), read_lo(),
-                              read_hi(), glob, plan.next.cold_pos, rc, ka.surv_valid_S, inv_freq)
-        if rc.placement == "rank":  # in the raw segment, at their ranks
-            return attend(*plain_win, *extend_raw_segment(*plain, rc, *rec))
-        return attend(*extend_window_segment(*plain_win, rc, *rec, inv_freq), *plain)
+        gather_kv = lambda slots: read_cold_slots(cache, layer, slots)  # noqa: E731
 
-    if not rc.score_block:  # every page scored at every step, the store empty or not
-        return with_recall(), cache
-    # Nothing recallable (the store is still empty, or recall_pages = 0): the layer neither scores, gathers nor
-    # attends recalled slots. The recalled slots would all be invalid, and masked slots change no bit of the
-    # attention (tests/test_recall.py). Only the attention output leaves the cond, so under vmap (where it is a
-    # select that runs both branches) the price is one plain attention per layer, not a select of the cache.
-    return jax.lax.cond(rc.live_pages > 0, with_recall, lambda: attend(*plain_win, *plain)), cache
+        def choose():
+            return choose_pages_to_recall(q_BxCxHqxD, gather_kv, read_sum(), read_lo(), read_hi(), glob,
+                                          plan.next.cold_pos, rc, inv_freq)
+
+        # ColdStore.reselect > 1: between scorings the layer attends the pages it chose last (only the choice
+        # is kept: their tokens are gathered and checked afresh every step).
+        idx, active = jax.lax.cond(rc.reselect_now, choose, lambda: kept) if kept is not None else choose()
+        rec = gather_recalled(idx, active, gather_kv, plan.next.cold_pos, Pg, rc, ka.surv_valid_S)
+        if rc.placement == "rank":  # in the raw segment, at their ranks
+            out = attend(*plain_win, *extend_raw_segment(*plain, rc, *rec))
+        else:
+            out = attend(*extend_window_segment(*plain_win, rc, *rec, inv_freq), *plain)
+        return out, (idx, active)
+
+    if kept is None:  # the choice of this step only
+        if not rc.score_block:  # every page scored at every step, the store empty or not
+            return with_recall()[0], cache
+        # Nothing recallable (the store is still empty, or recall_pages = 0): the layer neither scores, gathers
+        # nor attends recalled slots. The recalled slots would all be invalid, and masked slots change no bit of
+        # the attention (tests/test_recall.py). Only the attention output leaves the cond, so under vmap (where it
+        # is a select that runs both branches) the price is one plain attention per layer, not a select of the
+        # cache.
+        return jax.lax.cond(rc.live_pages > 0, lambda: with_recall()[0], lambda: attend(*plain_win, *plain)), cache
+    out, (idx, active) = (with_recall() if not rc.score_block else
+                          jax.lax.cond(rc.live_pages > 0, with_recall, lambda: (attend(*plain_win, *plain), kept)))
+    return out, cache.replace(cold_choice=cache.cold_choice.at[layer].set(idx),
+                              cold_choice_on=cache.cold_choice_on.at[layer].set(active))

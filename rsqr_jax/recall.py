@@ -30,9 +30,10 @@ SCORE_BLOCK_PAGES = 64
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block", "placement"],
+                   meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block", "placement",
+                                "keeps_choice"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel",
-                                "live_pages", "fixed_pos"])
+                                "live_pages", "fixed_pos", "reselect_now"])
 @dataclasses.dataclass(frozen=True)
 class Recall:
     """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
@@ -48,7 +49,8 @@ class Recall:
     k_pages = 0: the layers skip recall); score_block (static): pages scored per block of that prefix (0 =
     every page, every step); placement (static, spec.PLACEMENTS): where recalled tokens sit; fixed_pos: the
     global position the "fixed" placement rotates every recalled key at (the chunk's first position minus the
-    policy's window)."""
+    policy's window); keeps_choice (static): layers keep their page choice in the cache between scorings
+    (ColdStore.reselect > 1); reselect_now: this step scores the store and chooses afresh."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -64,6 +66,8 @@ class Recall:
     score_block: int = 0
     placement: str = "rank"
     fixed_pos: jax.Array | None = None
+    keeps_choice: bool = False
+    reselect_now: jax.Array | None = None
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                 hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
@@ -219,15 +223,22 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_gl
                     surv_valid_S, inv_freq):
     """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
     slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
-    positions [B, R], validity [B, R]. cold_sum / lo / hi [B, Hkv, Np or 0, D] are the layer's page summaries
-    and gather_glob(slots_BxR) -> [B, Hkv, R, D] reads its scoring copy of the keys; recall.page_score says which
-    of them the rule reads ("max": the copy, "quest": lo / hi, "shortlist" and "mean": the sums).
-    With recall.score_block only the filled pages are scored (live_page_scores; the same scores). R = max_pages *
-    (1 + 2 * neighbors) * page size; a recalled token that is also an attended survivor, or on a page gathered
-    twice, counts once."""
+    positions [B, R], validity [B, R]: `choose_pages_to_recall`, then `gather_recalled`."""
+    idx, active = choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
+                                         recall, inv_freq)
+    return gather_recalled(idx, active, gather_kv, cold_pos_Nc, cold_pos_Nc.shape[0] // cold_sum.shape[2], recall,
+                           surv_valid_S)
+
+
+def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
+                           recall: Recall, inv_freq) -> tuple[jax.Array, jax.Array]:
+    """One layer's page choice, [B, M] page indices and an active mask (M = max_pages * (1 + 2 * neighbors)).
+    cold_sum / lo / hi [B, Hkv, Np or 0, D] are the layer's page summaries and gather_glob(slots_BxR) -> [B, Hkv, R,
+    D] reads its scoring copy of the keys; recall.page_score says which of them the rule reads ("max": the copy,
+    "quest": lo / hi, "shortlist" and "mean": the sums). With recall.score_block only the filled pages are scored
+    (live_page_scores; the same scores)."""
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
-    Pg = cold_pos_Nc.shape[0] // n_pages  # tokens per page
     quest = (cold_lo, cold_hi) if recall.page_score == "quest" else (None, None)
     if recall.score_block:
         scores = live_page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest,
@@ -243,12 +254,19 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_gl
     idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, recall.max_pages)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)
-    M = idx.shape[1]
-    slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
+    return idx, active
+
+
+def gather_recalled(idx_BxM, active_BxM, gather_kv, cold_pos_Nc, Pg: int, recall: Recall, surv_valid_S):
+    """The tokens of the chosen pages: raw K/V [B, Hkv, R, D], global positions [B, R], validity [B, R] (R = M *
+    page size Pg); a token that is also an attended survivor, on a page gathered twice, or no longer recallable (a
+    kept choice whose page the ring has since restarted) is not valid."""
+    B, M = idx_BxM.shape
+    slots_BxR = (idx_BxM[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
     gpos = cold_pos_Nc[slots_BxR]
     surv_att = jnp.where(surv_valid_S, recall.surv_gpos_S, -2)
     dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)
-    valid = jnp.repeat(active, Pg, axis=1) & recall.token_valid_Nc[slots_BxR] & ~dup
+    valid = jnp.repeat(active_BxM, Pg, axis=1) & recall.token_valid_Nc[slots_BxR] & ~dup
     return (*gather_kv(slots_BxR), gpos, valid)
 
 

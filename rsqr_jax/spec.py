@@ -46,7 +46,9 @@ class ColdStore:
     """The recall tier's cold store as one value, `CacheSpec.cold` (docs/design.md §3b): capacity (evicted
     tokens kept at least), page_size, page_score (the rule that ranks pages, PAGE_SCORES: it also names the
     summaries the store keeps), neighbors (pages on each side of a chosen page that come back with it) and
-    placement (where recalled tokens sit, PLACEMENTS). The placement is static, a compilation of its own: "rank"
+    placement (where recalled tokens sit, PLACEMENTS) and reselect (a layer chooses its pages afresh at every
+    reselect-th decode step and at every prefill chunk, and attends the pages it chose last in between: the scoring,
+    recall's per-step cost linear in the store, runs 1/reselect as often). The placement is static, a compilation of its own: "rank"
     extends the raw segment and the others the window segment, so a dynamic choice would carry both in every
     step. Validated here, once; ValueError on impossible values."""
 
@@ -55,6 +57,7 @@ class ColdStore:
     page_score: str = DEFAULT_PAGE_SCORE
     neighbors: int = 0
     placement: str = DEFAULT_PLACEMENT
+    reselect: int = 1
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -66,6 +69,8 @@ class ColdStore:
             raise ValueError(f"unknown page score {self.page_score!r}: choose one of {', '.join(PAGE_SCORES)}")
         if self.neighbors < 0:
             raise ValueError(f"recall neighbors must be >= 0, got {self.neighbors}")
+        if isinstance(self.reselect, bool) or not isinstance(self.reselect, int) or self.reselect < 1:
+            raise ValueError(f"reselect must be an integer >= 1 (1 = choose pages at every step), got {self.reselect!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
 
@@ -157,13 +162,23 @@ class CacheSpec:
         return self.max_recall_pages * (1 + 2 * self.cold.neighbors) * self.cold.page_size
 
     @property
+    def recall_pages_gathered(self) -> int:
+        """Pages a layer gathers per step: the chosen ones and their neighbours."""
+        return self.max_recall_pages * (1 + 2 * self.cold.neighbors) if self.cold is not None else 0
+
+    @property
+    def reselects(self) -> bool:
+        """Whether layers keep their page choice between scorings (ColdStore.reselect > 1, recall on)."""
+        return self.cold is not None and self.cold.reselect > 1 and self.max_recall_pages > 0
+
+    @property
     def recall_args(self) -> dict:
         """The static recall keywords of `update.step` / `update.plan_step` for this spec."""
         if self.cold is None:
             return {}
         return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.cold.neighbors,
                 "recall_shortlist": self.shortlist_pages, "page_score": self.cold.page_score,
-                "placement": self.cold.placement}
+                "placement": self.cold.placement, "reselect": self.cold.reselect}
 
     @property
     def shortlist_pages(self) -> int:

@@ -96,6 +96,7 @@ class Positions:
     surv_stored_rot: jax.Array
     surv_copy_pos: jax.Array
     cold_pos: jax.Array
+    cold_step: jax.Array
     t: jax.Array
 
 
@@ -120,7 +121,7 @@ def _pinned(g_N: jax.Array, cache: KVCache) -> jax.Array:
 
 def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
               max_recall_pages: int = 0, recall_neighbors: int = 0, recall_shortlist: int = 0,
-              page_score: str = "mean", placement: str = "rank") -> StepPlan:
+              page_score: str = "mean", placement: str = "rank", reselect: int = 1) -> StepPlan:
     """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
 
     Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
@@ -128,7 +129,7 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     max_recall_pages / recall_neighbors / recall_shortlist / page_score (static, CacheSpec.recall_args): how
     many cold pages a layer may choose, the pages on each side of a chosen one that come with it, the
     "shortlist" rule's page count, the rule itself (which page summaries the cold store keeps and scores) and
-    where recalled tokens sit (spec.PLACEMENTS).
+    where recalled tokens sit (spec.PLACEMENTS), and how often a layer chooses its pages afresh (ColdStore.reselect).
     """
     C = chunk
     n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)
@@ -222,7 +223,10 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
                     max_pages=max_recall_pages if Nc else 0, neighbors=recall_neighbors,
                     shortlist=recall_shortlist if Nc else 0, page_score=page_score, live_pages=live_pages,
                     score_block=_recall.SCORE_BLOCK_PAGES, placement=placement,
-                    fixed_pos=g_C[0] - policy.window)
+                    fixed_pos=g_C[0] - policy.window, keeps_choice=bool(cache.cold_step.shape[0]),
+                    # choose afresh every reselect-th step and at every chunk of more than one token (a prompt: the
+                    # question's own rows choose the pages its first answer token reads)
+                    reselect_now=(jnp.sum(cache.cold_step) % reselect == 0) | (n_valid > 1))
 
     return StepPlan(
         writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, first_C),
@@ -240,7 +244,8 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
             q_rank_C=q_rank),
         recall=recall,
         next=Positions(win_pos=win_pos, win_stored_rot=win_rot_new, surv_pos=surv_pos, surv_rank=surv_rank,
-                       surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, cold_pos=cold_pos, t=n),
+                       surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, cold_pos=cold_pos,
+                       cold_step=cache.cold_step + 1, t=n),
     )
 
 

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--page-scores", default=None, help="page rules to compare at every cold size, e.g. mean,max "
                    "(default: the default rule)")
+    p.add_argument("--reselect", default="1", help="pages chosen afresh every k decode steps, a list to compare, "
+                   "e.g. 1,4,8 (ColdStore.reselect; 1 = every step)")
     p.add_argument("--prompt-tokens", default="512", help="prompt lengths, one arm each, e.g. 32,2048 (a prompt "
                    "that stays inside the window with every generated token leaves the store empty)")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -41,11 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         prompts = tuple(int(x) for x in args.prompt_tokens.split(","))
     except ValueError:
         p.error(f"--prompt-tokens must be comma-separated integers, got {args.prompt_tokens!r}")
+    try:
+        reselects = tuple(int(x) for x in args.reselect.split(","))
+    except ValueError:
+        p.error(f"--reselect must be comma-separated integers, got {args.reselect!r}")
     if args.quick:
         sizes, args.new_tokens, args.rounds = (0, 256), 8, 1
     rules = {"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}
     cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size, **rules,
-                              prompt_tokens=prompts, new_tokens=args.new_tokens, rounds=args.rounds)
+                              prompt_tokens=prompts, new_tokens=args.new_tokens, rounds=args.rounds,
+                              reselects=reselects)
     loaded, apply_fn, params = load_model_from_args(args)
     result = B.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:

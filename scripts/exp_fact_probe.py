@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-score", default=None, help="max (the default), shortlist, mean or quest")
     p.add_argument("--recall-neighbors", type=int, default=0, help="pages on each side recalled with a chosen page")
     p.add_argument("--placement", default=None, help="where recalled tokens sit: rank (the default), true or fixed")
+    p.add_argument("--reselect", type=int, default=None, help="choose pages afresh every k decode steps (default 1)")
     p.add_argument("--lead-max", type=int, default=0,
                    help="0..N random filler tokens before the fact (mid-stream, any page alignment)")
     p.add_argument("--seed", type=int, default=7)

@@ -85,6 +85,9 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
                    "page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
     g.add_argument("--recall-neighbors", type=int, default=0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
+    g.add_argument("--reselect", type=int, default=None,
+                   help="choose pages afresh every k decode steps (default 1: every step; prompts always choose); in "
+                   "between each layer attends the pages it chose last, so the scoring costs 1/k")
     g.add_argument("--placement", default=None,
                    help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
                    "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
@@ -125,6 +128,8 @@ def cold_store_flags(args):
         rule = {"page_score": args.page_score} if args.page_score else {}  # else ColdStore's defaults
         if getattr(args, "placement", None):
             rule["placement"] = args.placement
+        if getattr(args, "reselect", None) is not None:
+            rule["reselect"] = args.reselect
         return ColdStore(args.cold_capacity, args.page_size, neighbors=args.recall_neighbors, **rule)
     except ValueError as e:
         raise UsageError(f"recall flags: {e}") from None

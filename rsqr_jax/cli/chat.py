@@ -307,7 +307,8 @@ def saved_settings(header: dict) -> dict:
             "dtype": cache_dtype_, "cache_dtype": cache_dtype_,
             "weights_dtype": header["identity"].get("dtype", cache_dtype_),
             **({"cold_capacity": cold.capacity, "page_size": cold.page_size, "page_score": cold.page_score,
-                "recall_neighbors": cold.neighbors, "placement": cold.placement}
+                "recall_neighbors": cold.neighbors, "placement": cold.placement,
+                "reselect": cold.reselect}
                if (cold := CacheSpec.from_json(header["spec"]).cold) else {}),
             **_saved_pins(header),
             "chat": bool(header["extra"].get("chat", False))}

@@ -29,6 +29,7 @@ class BenchRecallConfig:
     new_tokens: int = 64
     rounds: int = 3
     page_scores: tuple[str, ...] = (DEFAULT_PAGE_SCORE,)  # every recalling size runs under each rule (spec.PAGE_SCORES)
+    reselects: tuple[int, ...] = (1,)  # and under each ColdStore.reselect (pages chosen afresh every k steps)
 
     def __post_init__(self):
         if not self.cold_sizes or any(c < 0 or c % self.page_size for c in self.cold_sizes):
@@ -41,6 +42,8 @@ class BenchRecallConfig:
 
         if not self.page_scores or any(r not in PAGE_SCORES for r in self.page_scores):
             raise ConfigError(f"--page-scores must be a list of {', '.join(PAGE_SCORES)}, got {self.page_scores}")
+        if not self.reselects or min(self.reselects) < 1:
+            raise ConfigError(f"--reselect must be a list of integers >= 1, got {self.reselects}")
 
 
 def _recallable(session) -> int:
@@ -61,19 +64,20 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
     prompts = {n: read_tokens(tokenizer, cfg.text, n) for n in cfg.prompt_tokens}
     dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                 head_dim=model_config.head_dim, max_chunk=min(64, cfg.window))
-    sessions = {}  # (cold size, page rule or None, prompt length) -> (session, bytes by part)
+    sessions = {}  # (cold size, page rule or None, reselect, prompt length) -> (session, bytes by part)
     for size in cfg.cold_sizes:
-        for rule in (cfg.page_scores if size else (None,)):
+        for rule, every in ([(r, e) for r in cfg.page_scores for e in cfg.reselects] if size else [(None, 1)]):
             k = cfg.recall_pages if size else 0
             pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
-            cold = ColdStore(size, cfg.page_size, rule) if size else None
+            cold = ColdStore(size, cfg.page_size, rule, reselect=every) if size else None
             spec = CacheSpec.for_policies(pol, cold=cold, **dims)
             for n, prompt in prompts.items():  # sessions of one spec share its compilation
                 s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
                 s.warmup()
                 s.feed(prompt)
-                sessions[size, rule, n] = (s, spec.bytes_by_part(pol), _recallable(s))
-            status(f"bench_recall: cold {size} ({rule or 'no recall'}): compiled in {s.compile_s:.1f}s")
+                sessions[size, rule, every, n] = (s, spec.bytes_by_part(pol), _recallable(s))
+            status(f"bench_recall: cold {size} ({rule or 'no recall'}, reselect {every}): compiled in "
+                   f"{s.compile_s:.1f}s")
     times = {key: [] for key in sessions}
     for r in range(cfg.rounds):
         for key, (s, *_) in sessions.items():
@@ -81,26 +85,27 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
             s.generate(cfg.new_tokens)
             times[key].append((time.perf_counter() - t0) / cfg.new_tokens)
         status(f"bench_recall: round {r + 1}/{cfg.rounds}")
-    base = {n: float(np.median(times[cfg.cold_sizes[0], None if not cfg.cold_sizes[0] else cfg.page_scores[0], n]))
-            for n in cfg.prompt_tokens}
+    first = next(iter(sessions))
+    base = {n: float(np.median(times[first[:3] + (n,)])) for n in cfg.prompt_tokens}
     rows = []
-    for (size, rule, n), (s, parts, before) in sessions.items():
-        ms = 1000 * float(np.median(times[size, rule, n]))
+    for (size, rule, every, n), (s, parts, before) in sessions.items():
+        ms = 1000 * float(np.median(times[size, rule, every, n]))
         rows.append({"cold_capacity": size, "page_score": rule, "recall_pages": cfg.recall_pages if size else 0,
-                     "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
-                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, n]],
+                     "reselect": every, "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
+                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, every, n]],
                      "ratio": ms / (1000 * base[n]), "cold_store_MiB": parts["cold_store"] / 2**20,
                      "device_cache_MiB": (parts["total"] - parts["cold_store"]) / 2**20})
     return {"config": dataclasses.asdict(cfg), "rows": rows}
 
 
 def markdown(result: dict) -> str:
-    out = ["| cold store (tokens) | recall pages | page score | prompt | recallable (start-end) | ms/token (median) | "
-           "ratio to the first row's prompt | cold store MiB | window + survivors MiB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| cold store (tokens) | recall pages | page score | reselect | prompt | recallable (start-end) | "
+           "ms/token (median) | ratio to the first row's prompt | cold store MiB | window + survivors MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         a, b = r["recallable"]
         out.append(f"| {r['cold_capacity']} | {r['recall_pages']} | {r.get('page_score') or '-'} | "
+                   f"{r.get('reselect', 1) if r['recall_pages'] else '-'} | "
                    f"{r['prompt_tokens']} | {a}-{b} | {r['ms_per_token']:.1f} | {r['ratio']:.2f} | "
                    f"{r['cold_store_MiB']:.0f} | {r['device_cache_MiB']:.1f} |")
     return "\n".join(out) + "\n"

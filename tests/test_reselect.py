@@ -1,0 +1,128 @@
+"""Choosing recall pages every k steps (`ColdStore.reselect`): between scorings a layer attends the pages it chose
+last, their tokens gathered and checked afresh. On the tiny random model: reselect = 1 is the plain recall tier
+bit for bit, and reselect = k equals the float64 rank oracle of that definition; a prompt chunk always chooses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import rsqr_jax as rj
+from rsqr_jax import policy as P
+from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
+from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
+
+CFG = tiny_config()
+DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
+
+
+def _seed(name: str) -> int:
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"{name}: seed {seed}")  # a failing draw is reproducible from the log
+    return seed
+
+
+@functools.lru_cache(maxsize=None)
+def _model(seed=0):
+    return tiny_model(CFG, seed)
+
+
+def _spec(pol, *, cold, page, reselect, chunk=1):
+    return rj.CacheSpec.for_policies([pol], max_chunk=chunk, cold=rj.ColdStore(cold, page, "mean", reselect=reselect),
+                                     **DIMS)
+
+
+def _stream(pol, spec, tokens, chunk=1, seed=2):
+    apply_fn, params = _model(seed)
+    dec = rj.Decoder(apply_fn, spec)
+    cache, logits, choices = dec.init_cache(), [], []
+    for t in range(0, len(tokens), chunk):
+        out, cache = dec.feed(params, tokens[None, t:t + chunk], cache, pol)
+        logits.append(np.asarray(out[0], np.float64))
+        choices.append(np.asarray(cache.cold_choice))
+    return np.concatenate(logits), choices
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_reselect_k_equals_the_float64_oracle_of_its_definition(k):
+    """Every page recalled at a scoring step (step % k == 0); in between, the recallable tokens of the pages that
+    were live then, and nothing of a page that filled later."""
+    T, W, N, d, S, Pg = 60, 8, 2, 3, 3, 4
+    seed = _seed(f"reselect {k}")
+    tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, size=T)
+    probe = _spec(P.rsqr(W, N, d, S, recall_pages=1), cold=8, page=Pg, reselect=k)
+    pol = P.rsqr(W, N, d, S, recall_pages=probe.cold_pages)  # every page: one token set for all layers
+    spec = _spec(pol, cold=8, page=Pg, reselect=k)
+    got, choices = _stream(pol, spec, tokens)
+    sets = reference_token_sets(T, window=W, n_sink=N, delta=d, max_survivors=S, block=1)
+    cold = reference_cold_sets(T, window=W, n_sink=N, block=1, page_size=Pg, cold_slots=spec.cold_slots)
+    page_of = lambda g: ((g - N) % spec.cold_slots) // Pg  # noqa: E731
+    token_sets, live, grew = [], set(), False
+    for step, ((_, base), (_, recallable)) in enumerate(zip(sets, cold)):
+        if step % k == 0:
+            live = {page_of(g) for g in recallable}
+        kept = {g for g in recallable if page_of(g) in live}
+        grew |= len(kept) < len(recallable)
+        token_sets.append(sorted(set(base) | kept))
+    assert grew  # some step attends less than everything recallable: the kept choice matters
+    want = stream_logits_f64(tiny_weights(CFG, 2), CFG, tokens, token_sets, "rank")
+    assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) < 2e-5
+    stale = [np.array_equal(choices[s], choices[s - 1]) for s in range(1, T) if s % k]
+    assert all(stale)  # the choice changes only at scoring steps
+
+
+def test_reselect_one_is_the_plain_recall_tier_and_a_prompt_always_chooses():
+    tokens = np.random.default_rng(_seed("reselect 1")).integers(0, CFG.vocab_size, size=48)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    base, _ = _stream(pol, _spec(pol, cold=16, page=4, reselect=1), tokens)
+    one = rj.CacheSpec.for_policies([pol], cold=rj.ColdStore(16, 4, "mean"), **DIMS)  # the field left at its default
+    np.testing.assert_array_equal(_stream(pol, one, tokens)[0], base)
+    # chunks of 4 are prompts: every step chooses, whatever k
+    chunked, _ = _stream(pol, _spec(pol, cold=16, page=4, reselect=1, chunk=4), tokens, chunk=4)
+    never, _ = _stream(pol, _spec(pol, cold=16, page=4, reselect=10**6, chunk=4), tokens, chunk=4)
+    np.testing.assert_allclose(never, chunked, atol=1e-5, rtol=0)
+    assert np.abs(_stream(pol, _spec(pol, cold=16, page=4, reselect=10**6), tokens)[0] - base).max() > 1e-3
+
+
+def test_reselect_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="reselect must be an integer >= 1"):
+        rj.ColdStore(16, 4, reselect=0)
+
+
+def test_a_saved_session_keeps_its_page_choice(tmp_path):
+    """The kept choice and the step count are session state: save + load mid-stream (between scorings) continues
+    bit-identically."""
+    from rsqr_jax.models.llama import Llama, split_apply
+    from rsqr_jax.session import Session
+
+    import jax.numpy as jnp
+
+    seed = _seed("resume")
+    prompt, more = np.split(np.random.default_rng(seed).integers(0, CFG.vocab_size, size=40), [28])
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    spec = _spec(pol, cold=16, page=4, reselect=3, chunk=4)
+    apply_fn, params = split_apply(Llama(CFG, tiny_weights(CFG, 0), dtype=jnp.float32))
+    identity = {"model": "tiny-random", "seed": 0}
+    make = lambda: Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size)  # noqa: E731
+
+    ref = make()
+    ref.feed(prompt)
+    want = ref.generate(4)
+    ref.feed(more)
+    want += ref.generate(6)
+
+    s = make()
+    s.feed(prompt)
+    got = s.generate(4)
+    s.save(tmp_path / "r.session", identity)
+    s = Session.load(tmp_path / "r.session", apply_fn, params, identity)
+    assert int(s.cache.cold_step[0]) % 3 != 0  # resumed between two scorings: the kept choice is what it reads
+    s.feed(more)
+    got += s.generate(6)
+    assert got == want, f"seed {seed}"
+    for name in ("cold_choice", "cold_choice_on", "cold_step", "win_k", "cold_k"):
+        np.testing.assert_array_equal(np.asarray(getattr(s.cache, name)), np.asarray(getattr(ref.cache, name)),
+                                      err_msg=f"{name}, seed {seed}")
