@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A fact planted ~1200 tokens before its question: full vs rsqr vs rsqr + recall, greedy.
 
-    python scripts/exp_fact_probe.py --filler /usr/share/common-licenses/GPL-3 --trials 20 --out runs/fact_gpl
+    python scripts/exp_fact_probe.py --filler rsqr_jax/data/licenses/GPL-3 --trials 20 --out runs/fact_gpl
 """
 
 from __future__ import annotations

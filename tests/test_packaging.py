@@ -42,6 +42,7 @@ def test_wheel_holds_every_module_under_one_import_name(wheel):
     in_checkout = {p.relative_to(REPO).as_posix() for p in (REPO / "rsqr_jax").rglob("*.py")}
     assert in_checkout and in_checkout == in_wheel, sorted(in_checkout ^ in_wheel)
     assert "rsqr_jax/data/frankenstein.txt" in names
+    assert "rsqr_jax/data/licenses/GPL-3" in names  # the second filler ships too
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     for command, target in [("rsqr-decode", "rsqr_jax.cli.decode:run"), ("rsqr-eval-stream", "rsqr_jax.cli.eval_stream:run"),
                             ("rsqr-eval-tasks", "rsqr_jax.cli.eval_tasks:run")]:

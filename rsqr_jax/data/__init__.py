@@ -5,6 +5,10 @@ Prometheus", public domain in the USA) with a short Gutenberg header and end lin
 body. Every documented perplexity and recall figure is of that body, so `read_text` returns it, and only
 it: the text between the "*** START OF ..." and "*** END OF ..." marker lines when a file has them, the
 whole file otherwise (any other text a user passes is streamed as it is).
+
+`LICENSES` holds verbatim copies of common free-software licence texts (as Debian's base-files package ships
+them; each may be copied verbatim, not changed). `GPL3` is the fact probe's second filler: a text not used to
+build the recall tier; the lm-eval test data (tests/data/lm_eval_builtin) cuts its passages from the others.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import re
 from pathlib import Path
 
 FRANKENSTEIN = Path(__file__).resolve().parent / "frankenstein.txt"
+LICENSES = Path(__file__).resolve().parent / "licenses"
+GPL3 = LICENSES / "GPL-3"
 
 # A Project Gutenberg marker line: "*** START OF THE PROJECT GUTENBERG EBOOK 84 ***" (older files: "THIS").
 _START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK[^\n]*\*\*\*[ \t]*$", re.MULTILINE)

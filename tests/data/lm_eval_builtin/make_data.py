@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Data for lm-eval's own `lambada_openai` and `wikitext` tasks, from text that exists on any Debian machine
-(/usr/share/common-licenses), in those tasks' schemas: lambada rows {"text": a passage whose last word is the
+"""Data for lm-eval's own `lambada_openai` and `wikitext` tasks, from the verbatim licence texts the package
+ships (rsqr_jax.data.LICENSES), in those tasks' schemas: lambada rows {"text": a passage whose last word is the
 target}, wikitext splits of {"page": a whole document}. utils.py builds it at load time (deterministic,
 seed 15); nothing is shipped.
 
@@ -17,8 +17,10 @@ import re
 
 import numpy as np
 
+import rsqr_jax.data
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-LICENSES = "/usr/share/common-licenses"
+LICENSES = os.fspath(rsqr_jax.data.LICENSES)
 SEED = 15
 PASSAGE_SOURCES = ("GPL-3", "GPL-2", "LGPL-2.1", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "MPL-1.1", "LGPL-2")
 # whole documents, shortest first (lm-eval's --limit takes the first ones)

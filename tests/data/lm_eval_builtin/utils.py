@@ -1,7 +1,7 @@
 """The data source that builtin.yaml gives lm-eval's own lambada_openai and wikitext tasks instead of the
 hub (offline, any cwd): a datasets.DatasetDict built at load time by make_data.py from the licence texts
-in /usr/share/common-licenses (deterministic, seed 15). Built, not shipped: those texts may be copied only
-verbatim, and the passages are cut from them."""
+the package ships verbatim (rsqr_jax/data/licenses; deterministic, seed 15). Built at load time, not stored:
+those texts may be copied only verbatim, and the passages are cut from them."""
 
 import importlib.util
 import os
