@@ -12,7 +12,7 @@ import numpy as np
 
 from flax import nnx
 
-from rsqr_jax.models.llama import BIAS_KEYS, LAYER_KEYS, Llama
+from rsqr_jax.models.llama import Llama, layer_keys
 from rsqr_jax import policy as P
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
@@ -22,8 +22,7 @@ from rsqr_jax.update import plan_step
 def weights_of(model: Llama) -> dict[str, np.ndarray]:
     """The module's weights as a float32 numpy dict in the canonical layout (for float64 oracles)."""
     cfg = model.config
-    names = ["embed", "final_norm", *LAYER_KEYS] + (list(BIAS_KEYS) if cfg.attention_bias else []) + \
-        ([] if cfg.tie_word_embeddings else ["lm_head"])
+    names = ["embed", "final_norm", *layer_keys(cfg)] + ([] if cfg.tie_word_embeddings else ["lm_head"])
     return {n: np.asarray(getattr(model, n)[...], np.float32) for n in names}
 
 
@@ -34,8 +33,7 @@ def capture_qk(model: Llama, tokens_T, *, kernel: str = "xla"):
     tokens_1xT = jnp.asarray(np.asarray(tokens_T), jnp.int32)[None]
     T = tokens_1xT.shape[1]
     pol = P.full()
-    spec = CacheSpec.for_policies(pol, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, batch=1, dtype=str(model.dtype), max_chunk=T, max_len=T)
+    spec = CacheSpec.for_policies(pol, dims=cfg, batch=1, dtype=str(model.dtype), max_chunk=T, max_len=T)
     graphdef, params = nnx.split(model)
 
     @jax.jit

@@ -1,4 +1,6 @@
-"""Static model configuration for the Llama family (Llama / Llama-3 rope scaling, SmolLM2, Qwen2/2.5)."""
+"""Static model configuration of the supported decoder families: Llama (Llama / Llama-3 rope scaling, SmolLM2,
+Mistral), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Gemma 2 and Gemma 3 (text): what the decoder
+computes and what the cache must hold per layer type (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,23 @@ class ModelLoadError(ValueError):
     """A model file or directory that cannot be used (missing, truncated, unsupported architecture)."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
+# HF layer_types values: a local layer attends to its last `sliding_window` tokens, a global one to the policy's set.
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hashable, static: safe to close over in jit. `arch` is "llama" or "qwen2" (q/k/v bias)."""
+    """Hashable, static: safe to close over in jit. `arch` names the family (SUPPORTED_ARCHITECTURES).
+
+    qk_norm: RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3). Gemma (arch in GEMMA): (1 + w)
+    norms, a post-norm after attention and after the MLP, GeGLU, embeddings scaled by sqrt(hidden).
+    query_pre_attn_scalar: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    attn_logit_softcap / final_logit_softcap: tanh(x / cap) * cap on the attention scores / the logits.
+    sliding_window + layer_types: layers typed LOCAL attend to their last sliding_window tokens (a hybrid
+    model); layer_types None = every layer GLOBAL. local_rope_theta / local_rope_scaling: the local layers'
+    RoPE (Gemma 3); None = the global one."""
 
     arch: str
     vocab_size: int
@@ -36,6 +49,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 8192
+    qk_norm: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -44,8 +65,45 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - {LOCAL, GLOBAL}:
+                raise ModelLoadError(f"layer_types must name {self.num_layers} layers, each {LOCAL!r} or {GLOBAL!r}")
+            if LOCAL in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+                raise ModelLoadError("sliding-window layers need a positive sliding_window")
+
+    @property
+    def gemma(self) -> bool:
+        return self.arch in GEMMA
+
+    @property
+    def is_local(self) -> tuple[bool, ...]:
+        """Per layer: a sliding-window (local) layer."""
+        return tuple(t == LOCAL for t in (self.layer_types or (GLOBAL,) * self.num_layers))
+
+    @property
+    def local_layers(self) -> int:
+        """How many layers are local: the cache gives them a ring of their own (CacheSpec.local_layers)."""
+        return sum(self.is_local)
+
+    @property
+    def local_window(self) -> int:
+        """The local layers' window (tokens each attends to, itself included); 0 without local layers."""
+        return int(self.sliding_window) if self.local_layers else 0
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The attention scale when it is not head_dim ** -0.5 (None: the kernels' default)."""
+        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
 
     @property
     def inv_freq(self) -> np.ndarray:
-        """float32 [head_dim/2] inverse frequencies (numpy: a model constant, so angles stay exact)."""
+        """float32 [head_dim/2] inverse frequencies of the global layers (numpy: a model constant, so angles
+        stay exact)."""
         return inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    @property
+    def local_inv_freq(self) -> np.ndarray:
+        """float32 [head_dim/2] inverse frequencies of the local layers."""
+        if self.local_rope_theta is None:
+            return self.inv_freq
+        return inverse_frequencies(self.head_dim, self.local_rope_theta, self.local_rope_scaling)

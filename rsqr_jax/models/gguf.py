@@ -1,7 +1,9 @@
-"""GGUF files (llama.cpp format, any quantization gguf-py can dequantize), architectures ``llama`` and ``qwen2``:
-config, canonical weights (dequantized one tensor at a time) and the tokenizer.
+"""GGUF files (llama.cpp format, any quantization gguf-py can dequantize), architectures ``llama`` (Mistral GGUFs
+are written as ``llama`` too), ``qwen2`` and ``qwen3``: config, canonical weights (dequantized one tensor at a
+time) and the tokenizer.
 
-llama.cpp's ``convert_hf_to_gguf`` permutes the q/k rows of ``llama`` models into the interleaved RoPE layout;
+llama.cpp's ``convert_hf_to_gguf`` permutes the q/k rows of ``llama`` models into the interleaved RoPE layout
+(not those of ``qwen2`` / ``qwen3``, whose per-head q/k norms it writes as ``attn_q_norm`` / ``attn_k_norm``);
 ``iter_weights`` undoes that permutation, so the weights come out in the canonical half-split layout.
 """
 
@@ -15,11 +17,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from rsqr_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from rsqr_jax.models.config import ModelConfig, ModelLoadError
 from rsqr_jax.models.layout import canonical_shapes, empty, eos_with_end_of_turn, one_line, stack_layers
 from rsqr_jax.rope import RopeScaling, inverse_frequencies
 
 MAGIC = b"GGUF"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,9 +145,9 @@ def _llama3_from_rope_freqs(factors: np.ndarray, head_dim: int, theta: float, ct
 def load_config(p: Path) -> ModelConfig:
     reader = open_reader(p)
     arch = _value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r} in {p.name}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r} in {p.name}: supported are {', '.join(GGUF_ARCHITECTURES)}"
         )
     tensors = _tensors(reader)
 
@@ -200,6 +203,7 @@ def load_config(p: Path) -> ModelConfig:
         bos_token_id=_int(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_with_end_of_turn(eos, vocab_map),
         max_position_embeddings=ctx,
+        qk_norm=arch == "qwen3",
     )
 
 
@@ -261,6 +265,8 @@ def iter_weights(p: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray
         "w_up": ("ffn_up.weight", None),
         "w_down": ("ffn_down.weight", None),
     }
+    if config.qk_norm:
+        per_layer.update(q_norm=("attn_q_norm.weight", None), k_norm=("attn_k_norm.weight", None))
     if config.attention_bias:
         per_layer.update(
             bq=("attn_q.bias", config.num_heads), bk=("attn_k.bias", config.num_kv_heads), bv=("attn_v.bias", None)

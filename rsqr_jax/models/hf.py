@@ -1,5 +1,5 @@
-"""Hugging Face model directories (``config.json`` + ``*.safetensors``, single file or sharded with an index),
-``LlamaForCausalLM`` or ``Qwen2ForCausalLM``: config and canonical weights, one tensor at a time."""
+"""Hugging Face model directories (``config.json`` + ``*.safetensors``, single file or sharded with an index) of
+the supported families (``ARCHITECTURES``): config and canonical weights, one tensor at a time."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ from typing import Iterator
 
 import numpy as np
 
-from rsqr_jax.models.config import ModelConfig, ModelLoadError
+from rsqr_jax.models.config import GEMMA, GLOBAL, LOCAL, ModelConfig, ModelLoadError
 from rsqr_jax.models.layout import canonical_shapes, checked, empty, eos_with_end_of_turn, one_line, stack_layers
 from rsqr_jax.rope import RopeScaling
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# config.json's model_type -> ModelConfig.arch (the same but for Gemma 3's text model)
+_ARCH = {"gemma3_text": "gemma3"}
+# The MLP activation each family's config may name (HF's key is hidden_act, or hidden_activation for Gemma).
+_ACTIVATIONS = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
 
 
 def _read_json(path: Path) -> dict:
@@ -46,6 +51,43 @@ def _as_list(v) -> list[int]:
     return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
 
 
+def _rope(rope: dict, max_pos: int, where: Path) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of one rope parameter dict (HF's rope_parameters or rope_scaling)."""
+    rope = dict(rope)
+    theta = float(rope.get("rope_theta", 10000.0))
+    rope.setdefault("original_max_position_embeddings", max_pos)  # HF falls back to max_position_embeddings
+    try:
+        return theta, RopeScaling.from_hf(rope)
+    except ValueError as e:
+        raise ModelLoadError(f"{e} in {where / 'config.json'}") from None
+
+
+def _layer_types(cfg: dict, arch: str, n_layers: int, window, max_pos: int, d: Path) -> tuple[str, ...] | None:
+    """The per-layer attention types (None: every layer global), from config.json's layer_types or, for configs
+    written before it existed, each family's own rule; a sliding window that spans max_position_embeddings is
+    no window at all."""
+    if arch in ("qwen2", "qwen3"):
+        if cfg.get("use_sliding_window"):
+            raise ModelLoadError(f"use_sliding_window=true in {d} is not supported (full attention only)")
+        return None
+    if not window or int(window) >= max_pos:
+        return None
+    types = cfg.get("layer_types")
+    if types is None:
+        if arch == "gemma2":  # HF Gemma2: even layers slide
+            types = [LOCAL if (i + 1) % 2 else GLOBAL for i in range(n_layers)]
+        elif arch == "gemma3":
+            pattern = int(cfg.get("sliding_window_pattern", 6))
+            types = [LOCAL if (i + 1) % pattern else GLOBAL for i in range(n_layers)]
+        else:  # Mistral: one window for every layer
+            types = [LOCAL] * n_layers
+    types = tuple(types)
+    if len(types) != n_layers or set(types) - {LOCAL, GLOBAL}:
+        raise ModelLoadError(f"layer_types in {d / 'config.json'} must name {n_layers} layers, each {LOCAL!r} "
+                             f"or {GLOBAL!r}")
+    return types if LOCAL in types else None
+
+
 def load_config(d: Path) -> ModelConfig:
     cfg = _read_json(d / "config.json")
     model_type = cfg.get("model_type")
@@ -57,48 +99,68 @@ def load_config(d: Path) -> ModelConfig:
             f"unsupported architecture {name!r} (model_type {model_type!r}) in {d}: supported are "
             + ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
         )
+    arch = _ARCH.get(model_type, model_type)
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias=true in {d} is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"hidden_act={cfg['hidden_act']!r} in {d} is not supported (only silu)")
-    if cfg.get("use_sliding_window"):
-        raise ModelLoadError(f"use_sliding_window=true in {d} is not supported (full attention only)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if arch in GEMMA else "silu")
+    if act not in _ACTIVATIONS["gelu_tanh" if arch in GEMMA else "silu"]:
+        raise ModelLoadError(f"hidden_act={act!r} in {d} is not supported for {arch}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"use_bidirectional_attention=true in {d} is not supported (causal models only)")
     try:
         hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         n_kv = int(cfg.get("num_key_value_heads") or n_heads)
         head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+        n_layers = int(cfg["num_hidden_layers"])
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise ModelLoadError(f"partial_rotary_factor in {d} is not supported")
-        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older versions `rope_scaling`.
-        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-        theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
         max_pos = int(cfg.get("max_position_embeddings", 8192))
-        rope.setdefault("original_max_position_embeddings", max_pos)  # HF falls back to max_position_embeddings
-        try:
-            scaling = RopeScaling.from_hf(rope)
-        except ValueError as e:
-            raise ModelLoadError(f"{e} in {d / 'config.json'}") from None
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside; per layer type for Gemma 3); older
+        # versions `rope_scaling` and `rope_theta`.
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+        local_theta = local_scaling = None
+        if GLOBAL in rope or LOCAL in rope:
+            if LOCAL in rope:
+                local_theta, local_scaling = _rope(rope[LOCAL], max_pos, d)
+            rope = dict(rope.get(GLOBAL) or {})
+        if "rope_theta" in cfg and cfg["rope_theta"] is not None:
+            rope["rope_theta"] = cfg["rope_theta"]
+        theta, scaling = _rope(rope, max_pos, d)
+        if arch == "gemma3" and local_theta is None:  # configs from before rope_parameters
+            local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+        window = cfg.get("sliding_window")
+        types = _layer_types(cfg, arch, n_layers, window, max_pos, d)
         eos = _as_list(cfg.get("eos_token_id"))
         gen = d / "generation_config.json"
         if gen.is_file():
             eos = _as_list(_read_json(gen).get("eos_token_id")) + eos
+        softcap = lambda key: None if cfg.get(key) is None else float(cfg[key])  # noqa: E731
+        gemma = arch in GEMMA
         return ModelConfig(
-            arch=model_type,
+            arch=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=n_layers,
             num_heads=n_heads,
             num_kv_heads=n_kv,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
             bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
             eos_token_ids=eos_with_end_of_turn(eos, _vocab_from_tokenizer_json(d)),
             max_position_embeddings=max_pos,
+            qk_norm=arch in ("qwen3", "gemma3"),
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma else None,
+            attn_logit_softcap=softcap("attn_logit_softcapping") if arch == "gemma2" else None,
+            final_logit_softcap=softcap("final_logit_softcapping") if gemma else None,
+            sliding_window=int(window) if types else None,
+            layer_types=types,
+            local_rope_theta=local_theta if types else None,
+            local_rope_scaling=local_scaling if types else None,
         )
     except ModelLoadError:
         raise
@@ -182,6 +244,11 @@ def iter_weights(d: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray
         "w_up": "mlp.up_proj.weight",
         "w_down": "mlp.down_proj.weight",
     }
+    if config.gemma:  # Gemma's post_attention_layernorm is the attention's post-norm; the MLP has a pre- and a post-norm
+        per_layer.update(mlp_norm="pre_feedforward_layernorm.weight", post_attn_norm="post_attention_layernorm.weight",
+                         post_mlp_norm="post_feedforward_layernorm.weight")
+    if config.qk_norm:
+        per_layer.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
     if config.attention_bias:
         per_layer.update(bq="self_attn.q_proj.bias", bk="self_attn.k_proj.bias", bv="self_attn.v_proj.bias")
     for name, suffix in per_layer.items():

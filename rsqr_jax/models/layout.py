@@ -1,7 +1,7 @@
 """The canonical weight layout every loader produces, and the small helpers the GGUF and HF loaders share.
 
 Canonical: float32, `x @ W` orientation, layers stacked on a leading axis L, q/k rows in the half-split
-("rotate_half") RoPE layout of HF transformers. `canonical_shapes(config)` names every tensor.
+("rotate_half") RoPE layout of HF transformers, norm weights as HF holds them (Gemma's are the w of (1 + w)). `canonical_shapes(config)` names every tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ def canonical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if config.attention_bias:
         shapes.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if config.qk_norm:
+        shapes.update(q_norm=(L, config.head_dim), k_norm=(L, config.head_dim))
+    if config.gemma:
+        shapes.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (H, V)
     return shapes

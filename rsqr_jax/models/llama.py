@@ -1,4 +1,5 @@
-"""Flax NNX decoder for the Llama family (Llama, Llama-3 rope scaling, SmolLM2, Qwen2/2.5 biases).
+"""Flax NNX decoder for the supported families (Llama, Llama-3 rope scaling, SmolLM2, Mistral, Qwen2/2.5 biases,
+Qwen3 q/k norms, Gemma 2 / Gemma 3; rsqr_jax.models.config).
 
 Layer weights are stacked on a leading axis and the layers run under one `lax.scan`, so compile time
 does not grow with depth. Attention is not implemented here: each layer hands its raw q/k/v to
@@ -23,6 +24,14 @@ from rsqr_jax.update import StepPlan
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
+QK_NORM_KEYS = ("q_norm", "k_norm")
+POST_NORM_KEYS = ("post_attn_norm", "post_mlp_norm")
+
+
+def layer_keys(config: ModelConfig) -> tuple[str, ...]:
+    """The stacked per-layer weights of `config`'s family."""
+    return (LAYER_KEYS + (BIAS_KEYS if config.attention_bias else ()) + (QK_NORM_KEYS if config.qk_norm else ())
+            + (POST_NORM_KEYS if config.gemma else ()))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -30,6 +39,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * y.astype(x.dtype)
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Gemma RMSNorm: statistics and the (1 + w) scale in float32, cast back last."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """tanh(x / cap) * cap (Gemma's logit soft-capping); x itself when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -46,7 +67,7 @@ class Llama(nnx.Module):
         self.embed = cast("embed")
         self.final_norm = cast("final_norm")
         self.lm_head = cast("lm_head") if not config.tie_word_embeddings else None
-        for name in LAYER_KEYS + (BIAS_KEYS if config.attention_bias else ()):
+        for name in layer_keys(config):
             setattr(self, name, cast(name))
 
     def __call__(self, tokens_BxC: jax.Array, cache: KVCache, plan: StepPlan, *, kernel: str = "xla",
@@ -61,28 +82,40 @@ class Llama(nnx.Module):
         B, C = tokens_BxC.shape
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq = cfg.inv_freq
-        keys = LAYER_KEYS + (BIAS_KEYS if cfg.attention_bias else ())
-        stacked = {name: getattr(self, name)[...] for name in keys}
+        stacked = {name: getattr(self, name)[...] for name in layer_keys(cfg)}
+        norm = functools.partial(gemma_rms_norm if cfg.gemma else rms_norm, eps=cfg.rms_norm_eps)
+        act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else jax.nn.silu
         x_BxCxH = jnp.take(self.embed[...], tokens_BxC, axis=0)
+        if cfg.gemma:  # HF: the normalizer is a tensor of the hidden states' dtype
+            x_BxCxH = x_BxCxH * jnp.asarray(cfg.hidden_size ** 0.5, x_BxCxH.dtype)
+
+        def attention(p, h):
+            q, k, v = _dense(h, p["wq"]), _dense(h, p["wk"]), _dense(h, p["wv"])
+            if cfg.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q, k, v = q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D), v.reshape(B, C, Hkv, D)
+            if cfg.qk_norm:
+                q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
+            return q, k, v
 
         def layer(carry, xs):
             x, cache = carry
             p, idx = xs
-            h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = _dense(h, p["wq"]), _dense(h, p["wk"]), _dense(h, p["wv"])
-            if cfg.attention_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            q, k = q.reshape(B, C, Hq, D), k.reshape(B, C, Hkv, D)
-            attn, cache = attend(idx, q, k, v.reshape(B, C, Hkv, D), cache, plan, inv_freq, kernel=kernel)
-            x = x + _dense(attn.reshape(B, C, Hq * D).astype(x.dtype), p["wo"])
-            h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-            x = x + _dense(jax.nn.silu(_dense(h, p["w_gate"])) * _dense(h, p["w_up"]), p["w_down"])
+            h = norm(x, p["attn_norm"])
+            q, k, v = attention(p, h)
+            attn, cache = attend(idx, q, k, v, cache, plan, inv_freq, kernel=kernel)
+            o = _dense(attn.reshape(B, C, Hq * D).astype(x.dtype), p["wo"])
+            x = x + (norm(o, p["post_attn_norm"]) if cfg.gemma else o)
+            h = norm(x, p["mlp_norm"])
+            m = _dense(act(_dense(h, p["w_gate"])) * _dense(h, p["w_up"]), p["w_down"])
+            x = x + (norm(m, p["post_mlp_norm"]) if cfg.gemma else m)
             return (x, cache), ((q, k) if capture_qk else None)
 
         (x_BxCxH, cache), qk = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.arange(cfg.num_layers)))
-        h = rms_norm(x_BxCxH, self.final_norm[...], cfg.rms_norm_eps)
+        h = norm(x_BxCxH, self.final_norm[...])
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        logits = softcap(logits, cfg.final_logit_softcap)
         return (logits, cache, qk) if capture_qk else (logits, cache)
 
 
@@ -208,8 +241,7 @@ def forward_logits(path_or_loaded, token_ids: np.ndarray, *, dtype: str = "float
     tokens = jnp.asarray(np.asarray(token_ids), jnp.int32)
     B, T = tokens.shape
     pol = P.full()
-    spec = CacheSpec.for_policies(pol, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                  batch=B, dtype=loaded.dtype, max_chunk=T, max_len=T)
+    spec = CacheSpec.for_policies(pol, dims=cfg, batch=B, dtype=loaded.dtype, max_chunk=T, max_len=T)
     apply_fn, params = split_apply(loaded.model)
 
     @jax.jit

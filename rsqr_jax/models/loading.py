@@ -1,10 +1,11 @@
-"""Config, weight and tokenizer loading for Llama-family models from a GGUF file or a Hugging Face directory.
+"""Config, weight and tokenizer loading for the supported model families from a GGUF file or a Hugging Face directory.
 
 Two sources (rsqr_jax/models/gguf.py, rsqr_jax/models/hf.py), one canonical result (rsqr_jax/models/layout.py):
 
-* a GGUF file (llama.cpp format, any quantization gguf-py can dequantize), architecture ``llama`` or ``qwen2``;
-* a Hugging Face directory (``config.json`` + ``*.safetensors``, single file or sharded with an index),
-  ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``.
+* a GGUF file (llama.cpp format, any quantization gguf-py can dequantize), architecture ``llama``, ``qwen2`` or
+  ``qwen3``;
+* a Hugging Face directory (``config.json`` + ``*.safetensors``, single file or sharded with an index) of a
+  supported family (rsqr_jax.models.hf.ARCHITECTURES; docs/models.md).
 
 ``load_weights`` returns float32 numpy arrays with canonical names, ``x @ W`` orientation and the layers
 stacked on a leading axis L (see ``canonical_shapes``); ``iter_weights`` yields them one at a time, so a
@@ -85,7 +86,10 @@ def _resolve(path: str | os.PathLike | None) -> tuple[Path, object]:
 def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     """ModelConfig from a GGUF file or an HF directory (None: the default SmolLM2 GGUF)."""
     p, source = _resolve(path)
-    return source.load_config(p)
+    config = source.load_config(p)
+    if config.local_layers or config.gemma:
+        raise ModelLoadError(f"{config.arch} with sliding-window layers is not supported yet ({p.name})")
+    return config
 
 
 def iter_weights(path: str | os.PathLike | None = None,
