@@ -27,10 +27,16 @@ def resolve_kernel(kernel: str) -> str:
 
 
 def attend(q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_win_BxC,
-           q_pos_surv_BxC, inv_freq, kernel: str):
-    """The contract (positions per batch row) with the chosen implementation."""
+           q_pos_surv_BxC, inv_freq, kernel: str, *, scale: float | None = None, logit_cap: float | None = None,
+           sliding_window: int | None = None):
+    """The contract (positions per batch row) with the chosen implementation.
+
+    scale (None: head_dim ** -0.5), logit_cap (attention-logit soft-capping) and sliding_window (a local
+    layer's window over the window segment) are static model constants; None leaves the program as it was."""
     args = (q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_win_BxC,
             q_pos_surv_BxC, inv_freq)
     impl = {"pallas": survivor_attention, "xla": survivor_attention_xla,
             "reference": survivor_attention_reference}[resolve_kernel(kernel)]
-    return impl(*args)
+    kw = {k: v for k, v in (("scale", scale), ("logit_cap", logit_cap), ("sliding_window", sliding_window))
+          if v is not None}
+    return impl(*args, **kw)

@@ -1,7 +1,8 @@
 """Two-segment survivor attention (docs/design.md §6): the contract, its pure-jnp reference, and the kernel.
 
     out = survivor_attention(q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid,
-                             q_pos_win, q_pos_surv, inv_freq, *, scale=None, interpret=None)
+                             q_pos_win, q_pos_surv, inv_freq, *, scale=None, logit_cap=None,
+                             sliding_window=None, interpret=None)
 
 * q [B, C, Hq, D] raw queries; Hq = G * Hkv (GQA).
 * win_k / win_v [B, Hkv, W, D]: window keys already rotated at their positions; win_pos [B, W] int32
@@ -16,6 +17,11 @@
   W + S; the survivor keys are rotated from a cos/sin table over that range (see rotation_table).
 * Returns [B, C, Hq, D] in q's dtype; scale defaults to D ** -0.5. A row with no visible key
   (both segments empty) returns zeros, never NaN.
+* logit_cap (static, None = off): every score s = scale * q.k becomes tanh(s / cap) * cap before the
+  softmax (Gemma 2's attention-logit soft-capping).
+* sliding_window (static, None = off): query c also needs win_pos[w] > q_pos_win[c] - sliding_window, i.e. it
+  sees the last sliding_window window positions, itself included (a local layer's window; the survivor
+  segment is not affected).
 
 Three implementations of it live here: `survivor_attention_reference` (pure jnp, simple: the
 semantics), `survivor_attention` (the Pallas kernel: compiled on GPU, interpreted on CPU) and
@@ -38,9 +44,21 @@ from rsqr_jax.kernels.exact_rope import _is_concrete, angles_from_words, rope_co
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def _cap(s, logit_cap):
+    """Soft-capped scores tanh(s / cap) * cap (s itself when logit_cap is None)."""
+    return s if logit_cap is None else jnp.tanh(s / logit_cap) * logit_cap
+
+
+def _window_mask(win_pos_BxW, q_pos_BxC, sliding_window):
+    """[B, C, W]: which window slots each query sees (causal; within sliding_window positions when set)."""
+    k, q = win_pos_BxW[:, None, :], q_pos_BxC[:, :, None]
+    mask = (k >= 0) & (k <= q)
+    return mask if sliding_window is None else mask & (k > q - sliding_window)
+
+
 def survivor_attention_reference(
     q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
-    *, scale=None,
+    *, scale=None, logit_cap=None, sliding_window=None,
 ):
     """Pure-jnp reference of the contract above (float32 math, one softmax over both segments)."""
     B, C, Hq, D = q.shape
@@ -57,9 +75,9 @@ def survivor_attention_reference(
     cos_k, sin_k = rope_cos_sin(surv_rot_pos, inv_freq)  # [B, S, D/2]
     ks = rotate_half_split(surv_k, cos_k[:, None], sin_k[:, None])  # [B, Hkv, S, D] float32
 
-    s_win = jnp.einsum("bckgd,bkwd->bkgcw", qw, win_k.astype(jnp.float32), precision=hp) * scale
-    s_surv = jnp.einsum("bckgd,bksd->bkgcs", qs, ks, precision=hp) * scale
-    m_win = (win_pos[:, None, :] >= 0) & (win_pos[:, None, :] <= q_pos_win[:, :, None])  # [B, C, W]
+    s_win = _cap(jnp.einsum("bckgd,bkwd->bkgcw", qw, win_k.astype(jnp.float32), precision=hp) * scale, logit_cap)
+    s_surv = _cap(jnp.einsum("bckgd,bksd->bkgcs", qs, ks, precision=hp) * scale, logit_cap)
+    m_win = _window_mask(win_pos, q_pos_win, sliding_window)  # [B, C, W]
     m_surv = jnp.broadcast_to(surv_valid[:, None, :], (B, C, surv_valid.shape[-1]))  # [B, C, S]
 
     scores = jnp.concatenate([s_win, s_surv], axis=-1)
@@ -242,7 +260,8 @@ def _survivor_attention_kernel(
     sk_ref, sv_ref, spos_ref, svalid_ref,  # [Sp, D] raw, [Sp, D], [Sp] int32, [Sp] int32 (0/1)
     table_ref,  # [T, D] float32 rotation table: cos | sin
     o_ref, m_ref, l_ref,  # [R, D] float32 (unnormalised), [R], [R] float32
-    *, scale, block_w, block_s, n_blocks_w, n_blocks_s, per_split, precision, masked,
+    *, scale, block_w, block_s, n_blocks_w, n_blocks_s, per_split, precision, masked, logit_cap=None,
+    sliding_window=None,
 ):
     R, D = qw_ref.shape
     T = table_ref.shape[0]
@@ -255,7 +274,7 @@ def _survivor_attention_kernel(
 
     def update(carry, s, mask, v):
         o, m, l = carry
-        s = jnp.where(mask, s, MASK_VALUE)
+        s = jnp.where(mask, _cap(s, logit_cap), MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_next)
         p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
@@ -275,6 +294,8 @@ def _survivor_attention_kernel(
         k = _load(wk_ref.at[pl.ds(start, block_w), :], live, masked)
         v = _load(wv_ref.at[pl.ds(start, block_w), :], live, masked)
         mask = (wpos[None, :] >= 0) & (wpos[None, :] <= qpos[:, None])
+        if sliding_window is not None:
+            mask = mask & (wpos[None, :] > qpos[:, None] - sliding_window)
         return update(carry, dot_nt(qw, k) * scale, mask, v)
 
     q1 = qs_ref[:, pl.ds(0, F)]
@@ -320,11 +341,12 @@ def _query_angles(pos, freq, exact):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "interpret", "block_k", "block_s", "block_q", "num_splits", "exact", "num_warps",
-                     "num_stages", "masked"),
+                     "num_stages", "masked", "logit_cap", "sliding_window"),
 )
 def _survivor_attention_parts(
     q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
     *, scale, interpret, block_k, block_s, block_q, num_splits, exact, num_warps, num_stages, masked=True,
+    logit_cap=None, sliding_window=None,
 ):
     """Runs the kernel; returns the per-split (o, m, l) [B, Hkv, J, Rp, (D)] to merge.
 
@@ -383,7 +405,8 @@ def _survivor_attention_parts(
     kernel = functools.partial(
         _survivor_attention_kernel, scale=scale, block_w=block_w, block_s=block_s, n_blocks_w=n_blocks_w,
         n_blocks_s=n_blocks_s, per_split=per_split,
-        precision=lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None, masked=masked,
+        precision=lax.Precision.HIGHEST if kv_dtype == jnp.float32 else None, masked=masked, logit_cap=logit_cap,
+        sliding_window=sliding_window,
     )
     rows_spec = pl.BlockSpec((None, None, R, D), lambda b, h, r, j: (b, h, r, 0))
     o, m, l = pl.pallas_call(
@@ -441,7 +464,7 @@ def _angle_input(inv_freq, exact_angles):
 def survivor_attention(
     q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
     *, scale=None, interpret=None, block_k=None, block_s=None, block_q=32, num_splits=None, exact_angles=None,
-    num_warps=None, num_stages=2, skip_empty_blocks=True, rank_limit=None,
+    num_warps=None, num_stages=2, skip_empty_blocks=True, rank_limit=None, logit_cap=None, sliding_window=None,
 ):
     """Fused two-segment attention (the contract in the module docstring) as a Pallas kernel.
 
@@ -473,7 +496,8 @@ def survivor_attention(
         q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, freq, table,
         scale=scale, interpret=bool(interpret), block_k=block_k, block_s=block_s, block_q=block_q,
         num_splits=num_splits, exact=exact, num_warps=num_warps, num_stages=num_stages,
-        masked=bool(skip_empty_blocks),
+        masked=bool(skip_empty_blocks), logit_cap=None if logit_cap is None else float(logit_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
     )
     G = Hq // Hkv
     out = _merge_splits(o, m, l)[:, :, : C * G]  # [B, Hkv, C*G, D]
@@ -537,7 +561,8 @@ def _survivor_scores(qs_BxCxHkvxGxD, surv_k, surv_rot_pos, table, block_bytes, w
 
 def survivor_attention_xla(
     q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
-    *, scale=None, rank_limit=None, block_bytes=4 << 20, whole_segment_bytes=WHOLE_SEGMENT_BYTES,
+    *, scale=None, rank_limit=None, block_bytes=4 << 20, whole_segment_bytes=WHOLE_SEGMENT_BYTES, logit_cap=None,
+    sliding_window=None,
 ):
     """The contract above in plain XLA, tuned for CPU (see the comment block above).
 
@@ -559,13 +584,13 @@ def survivor_attention_xla(
 
     def partial(s, v, mask):  # s [B, Hkv, G, C, N], mask [B, C, N]
         mask = mask[:, None, None]
-        s = jnp.where(mask, s, MASK_VALUE)
+        s = jnp.where(mask, _cap(s, logit_cap), MASK_VALUE)
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.where(mask, jnp.exp(s - m), 0.0)
         o = jnp.einsum("bkgcn,bknd->bkgcd", p, v.astype(f32), precision=hp)
         return o, m, jnp.sum(p, axis=-1, keepdims=True)
 
-    m_win = (win_pos[:, None, :] >= 0) & (win_pos[:, None, :] <= q_pos_win[:, :, None])
+    m_win = _window_mask(win_pos, q_pos_win, sliding_window)
     m_surv = jnp.broadcast_to(surv_valid[:, None, :], (B, C, S))
     parts = []  # an empty segment (W = 0 or S = 0, static) is skipped
     if W:

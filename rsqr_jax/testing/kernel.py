@@ -28,9 +28,10 @@ def rope_inv_freq(D: int, base: float = 10000.0) -> np.ndarray:
 
 
 def oracle_f64(q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv,
-               inv_freq, scale=None) -> np.ndarray:
+               inv_freq, scale=None, logit_cap=None, sliding_window=None) -> np.ndarray:
     """float64 [B, C, Hq, D] of the contract: one softmax over the visible window slots and valid survivors;
-    a row that sees nothing is exactly zero."""
+    a row that sees nothing is exactly zero. logit_cap: scores tanh(s / cap) * cap; sliding_window: a query
+    at p sees window positions in (p - sliding_window, p]."""
     f = lambda a: np.asarray(a, np.float64)  # noqa: E731
     q, win_k, win_v, surv_k, surv_v = map(f, (q, win_k, win_v, surv_k, surv_v))
     win_pos, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv = map(np.asarray, (win_pos, surv_rot_pos, surv_valid, q_pos_win,
@@ -44,7 +45,12 @@ def oracle_f64(q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_vali
     ks = rope_f64(surv_k, surv_rot_pos[:, None, :], inv_freq)
     s_win = np.einsum("bckgd,bkwd->bckgw", qw, win_k) * scale
     s_surv = np.einsum("bckgd,bksd->bckgs", qs, ks) * scale
-    vis_win = ((win_pos[:, None, :] >= 0) & (win_pos[:, None, :] <= q_pos_win[:, :, None]))[:, :, None, None]
+    if logit_cap is not None:
+        s_win, s_surv = np.tanh(s_win / logit_cap) * logit_cap, np.tanh(s_surv / logit_cap) * logit_cap
+    vis_win = (win_pos[:, None, :] >= 0) & (win_pos[:, None, :] <= q_pos_win[:, :, None])
+    if sliding_window is not None:
+        vis_win &= win_pos[:, None, :] > q_pos_win[:, :, None] - sliding_window
+    vis_win = vis_win[:, :, None, None]
     vis = np.concatenate([np.broadcast_to(vis_win, s_win.shape),
                           np.broadcast_to(surv_valid[:, None, None, None, :], s_surv.shape)], -1)
     s = np.concatenate([s_win, s_surv], -1)
