@@ -220,9 +220,14 @@ class RsqrLM(TemplateLM):
 
             batch.append(GenerateRequest(self.tok_encode(context), max_new, sampling, stop))
             stops.append(until)
-        out = []
-        for (context, gen_kwargs), until, ids in zip([r.args for r in requests], stops, self.engine.generate(batch)):
-            text = postprocess_generated_text(self.tok_decode(ids), until, None)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            out.append(text)
+        # One engine call for all requests on streams (they run concurrently); one request per call otherwise,
+        # so lm-eval's use_cache keeps each answer as soon as it exists (a killed run resumes there).
+        step = len(batch) if isinstance(self.engine, StreamsEngine) else 1
+        args, out = [r.args for r in requests], []
+        for lo in range(0, len(batch), step):
+            for (context, gen_kwargs), until, ids in zip(args[lo:lo + step], stops[lo:lo + step],
+                                                         self.engine.generate(batch[lo:lo + step])):
+                text = postprocess_generated_text(self.tok_decode(ids), until, None)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                out.append(text)
         return out

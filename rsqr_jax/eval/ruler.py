@@ -1,0 +1,319 @@
+"""RULER's synthetic tasks, offline, through the lm-eval model (RsqrLM) for several cache policies.
+
+lm-eval ships RULER's generators (lm_eval/tasks/ruler): each task builds its samples at load time, sized by a
+tokenizer that `AutoTokenizer.from_pretrained` loads. Here that tokenizer is the model's own (exported once to
+a directory, `export_tokenizer`), so prompt lengths are counted in the tokens the model sees. Every policy
+sees the same samples (the same Task objects, built once under one seed), and every answer is kept in a
+sqlite cache per policy as soon as it exists (lm-eval's CachingLM, one request per engine call), so a killed
+run resumes where it stopped and a finished one is re-reported without a model call.
+
+    spec = RulerSpec(tasks=("niah_single_1", "ruler_vt"), seq_len=4096, limits=(10, 20, 30))
+    result = run_ruler(spec, pieces, tokenizer_dir, cache_dir="runs/ruler")
+    print(format_table(result))
+
+Offline: the tasks that need a data set from the hub (the essay haystacks, SQuAD/HotpotQA) are refused
+(ESSAY_TASKS); nltk's punkt_tab, which lm-eval's RULER module tries to download when it is imported, is used
+only by the essay haystack (`sent_tokenize` of the essays), so the download is replaced by a refusal while
+the tasks load (`offline_nltk`). Scores are lm-eval's own (`process_results`: the share of expected strings
+found in the answer), one per sample; intervals are Wilson's on the summed score (exact for the 0/1 tasks,
+an approximation for partial credit: ruler_vt, ruler_fwe, ruler_cwe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import time
+
+import numpy as np
+
+from rsqr_jax.eval.runtime import ConfigError
+from rsqr_jax.eval.stats import wilson
+
+# RULER tasks whose samples are generated from nothing but a tokenizer (and the `wonderwords` word lists).
+OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_fwe", "ruler_cwe")
+DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2", "ruler_vt", "ruler_fwe")
+# Their haystacks (or questions) are hub data sets: Paul Graham's essays, SQuAD, HotpotQA.
+ESSAY_TASKS = ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery",
+               "ruler_qa_squad", "ruler_qa_hotpot")
+POLICIES = ("full", "streamingllm", "rsqr", "rsqr+recall")
+
+
+@dataclasses.dataclass(frozen=True)
+class RulerSpec:
+    """What to run: tasks x policies at one sequence length, each cell growing through `limits` (samples per
+    task after each round: every cell gets its first samples before any gets more)."""
+
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    policies: tuple[str, ...] = POLICIES
+    seq_len: int = 4096
+    limits: tuple[int, ...] = (10, 20, 30)
+    window: int = 512
+    sinks: int = 4
+    recall_pages: int = 8
+    page_size: int = 16
+    cold_capacity: int = 4096
+    chunk: int = 32
+    max_gen_toks: int | None = None  # None: each task's own (niah 128, vt 30, fwe 50, cwe 120)
+    seed: int = 0
+    model: str = "embedded"  # a name for the cache key and the report (the caller loads the model)
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ConfigError("no tasks")
+        for t in self.tasks:
+            if t in ESSAY_TASKS:
+                raise ConfigError(f"task {t!r} needs a hub data set (essays / QA); offline tasks: "
+                                  f"{', '.join(OFFLINE_TASKS)}")
+            if t not in OFFLINE_TASKS:
+                raise ConfigError(f"unknown task {t!r}: choose from {', '.join(OFFLINE_TASKS)}")
+        if not self.policies:
+            raise ConfigError("no policies")
+        for p in self.policies:
+            if p not in POLICIES:
+                raise ConfigError(f"unknown policy {p!r}: choose from {', '.join(POLICIES)}")
+        if len(set(self.tasks)) != len(self.tasks) or len(set(self.policies)) != len(self.policies):
+            raise ConfigError("tasks and policies must not repeat")
+        if self.seq_len < 256:
+            raise ConfigError(f"seq_len must be >= 256, got {self.seq_len}")
+        if "ruler_vt" in self.tasks and self.seq_len < 1024:  # lm-eval's generator loops forever there
+            raise ConfigError(f"ruler_vt needs seq_len >= 1024 (its worked example alone is ~850 tokens), "
+                              f"got {self.seq_len}")
+        if not self.limits or any(n < 1 for n in self.limits) or list(self.limits) != sorted(set(self.limits)):
+            raise ConfigError(f"limits must be increasing positive sample counts, got {list(self.limits)}")
+        if self.window < 8 or self.window >= self.seq_len:
+            raise ConfigError(f"window must be in [8, seq_len), got {self.window}")
+        if self.max_gen_toks is not None and self.max_gen_toks < 1:
+            raise ConfigError(f"max_gen_toks must be >= 1, got {self.max_gen_toks}")
+
+    def model_args(self, policy: str) -> dict:
+        """RsqrLM model arguments of one policy (`full` holds the whole prompt plus the answer)."""
+        common = {"chunk": self.chunk, "max_length": self.seq_len + 256, "seed": self.seed, "sinks": self.sinks}
+        if policy == "full":
+            return {**common, "policy": "full"}
+        a = {**common, "policy": "rsqr" if policy.startswith("rsqr") else policy, "window": self.window}
+        if policy == "rsqr+recall":
+            a.update(recall_pages=self.recall_pages, page_size=self.page_size, cold_capacity=self.cold_capacity)
+        return a
+
+    def describe(self, policy: str) -> str:
+        a = self.model_args(policy)
+        if policy == "full":
+            return "full"
+        s = f"{a['policy']}(W={self.window}, N={self.sinks})"
+        return s + (f" + recall {self.recall_pages}x{self.page_size} of {self.cold_capacity}"
+                    if policy == "rsqr+recall" else "")
+
+    def cache_path(self, cache_dir: str, policy: str) -> str:
+        """One sqlite cache per policy and settings (lm-eval's keys are the requests only)."""
+        key = json.dumps({"model": self.model, **self.model_args(policy)}, sort_keys=True)  # + the requests
+        tag = hashlib.sha256(key.encode()).hexdigest()[:10]
+        return os.path.join(cache_dir, f"{policy.replace('+', '_')}_{self.seq_len}_{tag}")
+
+
+def export_tokenizer(tokenizer, directory: str) -> str:
+    """Save a transformers tokenizer where `AutoTokenizer.from_pretrained(directory)` loads it (RULER's
+    generators count prompt tokens with it); returns the directory."""
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@contextlib.contextmanager
+def offline_nltk():
+    """nltk.download refuses (returns False, no network) while lm-eval's RULER module is imported: the
+    punkt_tab data it asks for serves only the essay haystack's `sent_tokenize`."""
+    import nltk
+
+    saved = nltk.download
+    nltk.download = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        nltk.download = saved
+
+
+def load_tasks(spec: RulerSpec, tokenizer_dir: str) -> dict:
+    """{task name: lm-eval Task} with samples generated at spec.seq_len by the tokenizer in tokenizer_dir,
+    under spec.seed (Python's and NumPy's global generators: RULER's generators draw from them)."""
+    try:
+        import wonderwords  # noqa: F401  (lm-eval's RULER generators import it)
+    except ModuleNotFoundError:
+        raise ConfigError("RULER's generators need the wonderwords package: pip install wonderwords") from None
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    # lm-eval's RULER folder only (indexing all of lm-eval's tasks takes seconds; these are all in it)
+    folder = os.path.join(os.path.dirname(lm_eval.tasks.__file__), "ruler")
+    manager = TaskManager(include_path=folder, include_defaults=False,
+                          metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": [spec.seq_len]})
+    random.seed(spec.seed)
+    np.random.seed(spec.seed)
+    with offline_nltk():
+        tasks = get_task_dict(list(spec.tasks), manager)
+    missing = [t for t in spec.tasks if t not in tasks]
+    if missing:
+        raise ConfigError(f"lm-eval has no task {missing[0]!r}")
+    if spec.max_gen_toks is not None:  # in the requests themselves (so in their cache keys)
+        for task in tasks.values():
+            task.set_config(key="generation_kwargs", value={"max_gen_toks": spec.max_gen_toks}, update=True)
+    return {t: tasks[t] for t in spec.tasks}
+
+
+def _open_cache(path: str):
+    from sqlitedict import SqliteDict
+
+    return SqliteDict(path + "_rank0.db", flag="r") if os.path.exists(path + "_rank0.db") else None
+
+
+def cached_scores(task, limit: int, cache_path: str, seq_len: int) -> list[dict]:
+    """The first samples of `task` (up to `limit`, stopping at the first one not answered yet) scored by
+    the task's own process_results from the answers in the cache: [{doc_id, score, answer, target}]."""
+    from lm_eval.api.model import hash_args
+
+    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    db, rows = _open_cache(cache_path), []
+    try:
+        for inst in sorted(task.instances, key=lambda i: i.doc_id):
+            key = hash_args("generate_until", inst.args)
+            if db is None or key not in db:
+                break
+            answer = db[key]
+            score = task.process_results(inst.doc, [answer])[str(seq_len)]
+            rows.append({"doc_id": inst.doc_id, "score": float(score), "answer": answer,
+                         "target": list(inst.doc["outputs"]), "length": int(inst.doc["length"])})
+    finally:
+        if db is not None:
+            db.close()
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """n, mean score and its Wilson 95% interval (on the summed score) of one cell's samples."""
+    s = [r["score"] for r in rows]
+    n, k = len(s), float(sum(s))
+    lo, hi = wilson(k, n)
+    return {"n": n, "score": k / n if n else None, "ci": [lo, hi], "scores": s,
+            "targets": [r["target"] for r in rows], "lengths": [r["length"] for r in rows]}
+
+
+def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = None, extra: dict | None = None) -> dict:
+    """Every cell's cached answers (up to `limit`, default the last round) as one JSON-able dict."""
+    limit = spec.limits[-1] if limit is None else limit
+    cells = {}
+    for t, task in tasks.items():
+        cells[t] = {}
+        for p in spec.policies:
+            rows = cached_scores(task, limit, spec.cache_path(cache_dir, p), spec.seq_len)
+            cells[t][p] = summarize(rows)
+    return {"config": {**dataclasses.asdict(spec), "describe": {p: spec.describe(p) for p in spec.policies}},
+            "cells": cells, **(extra or {})}
+
+
+def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, out_json: str | None = None,
+              run: bool = True, log=print) -> dict:
+    """Run (or, with run=False, only report) every cell, round by round; the report is rewritten to
+    out_json after each policy of each round. pieces: (apply_fn, params, model_config, tokenizer).
+    The report holds, per policy, the number of requests the model itself answered in this call."""
+    import lm_eval
+
+    from rsqr_jax.eval.lm_eval_model import RsqrLM
+
+    os.makedirs(cache_dir, exist_ok=True)
+    tasks = load_tasks(spec, tokenizer_dir)
+    log(f"RULER: {len(tasks)} tasks x {len(spec.policies)} policies at {spec.seq_len} tokens, "
+        f"rounds {list(spec.limits)}, seed {spec.seed}")
+    answered = {p: 0 for p in spec.policies}
+    seconds = {p: 0.0 for p in spec.policies}
+
+    def save(result):
+        if out_json:
+            os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
+            tmp = out_json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(tmp, out_json)
+
+    result = report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds})
+    save(result)
+    if not run:
+        return result
+    lms = {}
+    for limit in spec.limits:
+        for p in spec.policies:
+            if p not in lms:
+                lm = RsqrLM.from_model_args(spec.model_args(p), pieces=pieces)
+                inner = lm.engine.generate
+
+                def counted(batch, inner=inner, p=p):
+                    answered[p] += len(batch)
+                    return inner(batch)
+
+                lm.engine.generate = counted
+                lms[p] = lm
+            t0 = time.perf_counter()
+            lm_eval.simple_evaluate(model=lms[p], tasks=list(tasks.values()), limit=limit,
+                                    use_cache=spec.cache_path(cache_dir, p), random_seed=spec.seed,
+                                    numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
+                                    fewshot_random_seed=spec.seed)
+            seconds[p] += time.perf_counter() - t0
+            result = report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds})
+            save(result)
+            log(f"round {limit}: {p} done ({answered[p]} answered by the model, {seconds[p]:.0f} s so far)")
+    return result
+
+
+def format_table(result: dict) -> str:
+    """One markdown table: a row per task, a column per policy, 'score [lo, hi] n=N' in each cell."""
+    cfg, cells = result["config"], result["cells"]
+    pols = cfg["policies"]
+    head = "| task | " + " | ".join(f"`{cfg['describe'][p]}`" for p in pols) + " |"
+    lines = [f"RULER at {cfg['seq_len']} tokens (score = share of expected strings found; Wilson 95%)",
+             head, "|" + "---|" * (len(pols) + 1)]
+    for t, row in cells.items():
+        out = []
+        for p in pols:
+            c = row[p]
+            out.append("not measured" if not c["n"] else
+                       f"{c['score']:.2f} [{c['ci'][0]:.2f}, {c['ci'][1]:.2f}] n={c['n']}")
+        lines.append(f"| {t} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> str:
+    """Grouped bars (task x policy) with Wilson intervals, written to path (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, cells = result["config"], result["cells"]
+    pols, tasks = cfg["policies"], list(cells)
+    width = 0.8 / len(pols)
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(tasks), 3.6))
+    for j, p in enumerate(pols):
+        xs, ys, err = [], [], [[], []]
+        for i, t in enumerate(tasks):
+            c = cells[t][p]
+            if not c["n"]:
+                continue
+            xs.append(i + (j - (len(pols) - 1) / 2) * width)
+            ys.append(c["score"])
+            err[0].append(c["score"] - c["ci"][0])
+            err[1].append(c["ci"][1] - c["score"])
+        ax.bar(xs, ys, width, yerr=err, capsize=2, label=cfg["describe"][p])
+    ax.set_xticks(range(len(tasks)))
+    ax.set_xticklabels([f"{t}\n(n={min(cells[t][p]['n'] for p in pols)})" for t in tasks], fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("score (Wilson 95%)")
+    ax.set_title(f"RULER at {cfg['seq_len']} tokens", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

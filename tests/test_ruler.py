@@ -1,0 +1,113 @@
+"""RULER offline through the lm-eval model (rsqr_jax/eval/ruler.py, scripts/eval_ruler.py).
+
+The smoke (--quick: a tiny random Llama over the embedded model's real tokenizer, 2 samples per task at 1024
+tokens, 4 tasks x 4 policies) runs through lm-eval's own RULER generators and scoring; a second run answers
+everything from the cache (no model call); answers put in one policy's cache are scored by lm-eval's own
+process_results on --report-only; bad input gives one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rsqr_jax.eval.ruler import DEFAULT_TASKS, POLICIES
+from rsqr_jax.eval.stats import wilson
+from tests.cli import assert_one_line_errors, run_in_process
+
+SEED = 0  # the smoke's seed (--seed default): RULER's generators and lm-eval's seeds
+N = 2  # samples per task in the smoke
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory, smollm2_path):
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("wonderwords")
+    root = tmp_path_factory.mktemp("ruler")
+    out, png = root / "r.json", root / "r.png"
+    args = ("--quick", "--cache-dir", str(root / "cache"), "--out", str(out), "--seed", str(SEED))
+    print(f"seed {SEED}")
+    first = run_in_process("eval_ruler.py", *args, "--plot", str(png))
+    assert first.returncode == 0, first.stderr[-3000:]
+    return root, args, first, json.loads(out.read_text()), png
+
+
+def test_quick_table_scores_every_cell(quick):
+    root, _, proc, result, png = quick
+    assert set(result["cells"]) == set(DEFAULT_TASKS)
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
+    assert len(table) == 1 + len(DEFAULT_TASKS)  # header + a row per task
+    for p in POLICIES:
+        assert f"`{result['config']['describe'][p]}`" in table[0]
+        assert result["model_requests"][p] == N * len(DEFAULT_TASKS)  # every sample answered by the model
+    for t in DEFAULT_TASKS:
+        assert [ln for ln in table if ln.startswith(f"| {t} |")][0].count(f"n={N}") == len(POLICIES)
+        targets = None
+        for p in POLICIES:
+            c = result["cells"][t][p]
+            assert c["n"] == N and all(0.0 <= s <= 1.0 for s in c["scores"])
+            assert c["score"] == pytest.approx(sum(c["scores"]) / N)
+            assert c["ci"] == pytest.approx(list(wilson(sum(c["scores"]), N)))
+            assert all(n <= 1024 for n in c["lengths"])  # RULER sized the prompts with our tokenizer
+            assert targets is None or c["targets"] == targets  # every policy saw the same samples
+            targets = c["targets"]
+    assert png.stat().st_size > 1000
+    import nltk
+
+    with pytest.raises(LookupError):  # the tasks ran without nltk's punkt_tab (none here, none downloaded)
+        nltk.data.find("tokenizers/punkt_tab")
+
+
+def test_second_run_answers_from_the_cache(quick):
+    root, args, first, result, _ = quick
+    again = run_in_process("eval_ruler.py", *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    second = json.loads((root / "r.json").read_text())
+    assert second["model_requests"] == {p: 0 for p in POLICIES}  # no model call
+    assert second["cells"] == result["cells"]
+    assert [ln for ln in again.stdout.splitlines() if ln.startswith("| ")] == \
+        [ln for ln in first.stdout.splitlines() if ln.startswith("| ")]
+
+
+def test_report_scores_right_answers_one(quick):
+    """The right answers written into the rsqr cache score 1 under lm-eval's own RULER scoring (and the
+    other policies keep theirs): the report reads the cache, and the score is not a constant."""
+    from sqlitedict import SqliteDict
+    from lm_eval.api.model import hash_args
+
+    from rsqr_jax.cli.eval_ruler import build_parser, spec_from
+    from rsqr_jax.eval.ruler import load_tasks
+
+    root, args, _, result, _ = quick
+    spec = spec_from(build_parser().parse_args(list(args)))
+    tasks = load_tasks(spec, str(root / "cache" / "tokenizer"))
+    path = spec.cache_path(str(root / "cache"), "rsqr") + "_rank0.db"
+    with SqliteDict(path, autocommit=True) as db:
+        for task in tasks.values():
+            task.build_all_requests(limit=N, rank=0, world_size=1)
+            for inst in task.instances:
+                key = hash_args("generate_until", inst.args)
+                assert key in db
+                db[key] = " " + ", ".join(inst.doc["outputs"]) + "."
+    proc = run_in_process("eval_ruler.py", *args, "--report-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads((root / "r.json").read_text())
+    for t in DEFAULT_TASKS:
+        assert rep["cells"][t]["rsqr"]["scores"] == [1.0] * N
+        assert rep["cells"][t]["rsqr"]["ci"] == pytest.approx(list(wilson(N, N)))
+        for p in POLICIES:
+            if p != "rsqr":
+                assert rep["cells"][t][p] == result["cells"][t][p]
+    assert rep["model_requests"] == {p: 0 for p in POLICIES}
+
+
+def test_bad_input_one_line_errors():
+    assert_one_line_errors([
+        ("eval_ruler.py", ["--tasks", "niah_nope"], "unknown task 'niah_nope'"),
+        ("eval_ruler.py", ["--tasks", "niah_single_2"], "needs a hub data set"),
+        ("eval_ruler.py", ["--policies", "full,h2o"], "unknown policy 'h2o'"),
+        ("eval_ruler.py", ["--limits", "10,5"], "limits must be increasing"),
+        ("eval_ruler.py", ["--limits", "a"], "--limits must be comma-separated integers"),
+        ("eval_ruler.py", ["--tasks", "ruler_vt", "--seq-len", "512"], "ruler_vt needs seq_len >= 1024"),
+        ("eval_ruler.py", ["--window", "4096"], "window must be in"),
+    ])
