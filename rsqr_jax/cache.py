@@ -23,6 +23,10 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
 * cold_choice / cold_choice_on [L, B, M or 0], cold_step [1 or 0]: with ColdStore.reselect > 1, the pages each
   layer chose when it last scored the store (M = recall_pages_gathered, with an active mask) and the step count
   that says when it scores again; empty otherwise.
+* loc_k / loc_v [Lloc, B, Hkv, Wl, D], loc_pos [Wl]: the rings of a hybrid model's local (sliding-window)
+  layers (CacheSpec.local_layers rings of local_window slots; empty otherwise; rsqr_jax.hybrid). Keys rotated
+  once at their global positions, written at `g mod Wl`; the policy never reaches them. The policy's fields
+  above then hold the global layers only (L = CacheSpec.num_layers of them).
 * pin_lo / pin_hi [PIN_SPANS or 0]: the pinned spans (docs/design.md §3c), [pin_lo, pin_hi) in global
   positions (empty: lo = hi); a pinned token takes a survivor entry on arrival, like a sink, and is kept
   forever, never counted against max_survivors. Set with `pin_span`, before the span is fed.
@@ -55,7 +59,7 @@ from rsqr_jax.policy import Policy, host_policies, window_start
 from rsqr_jax.spec import PIN_SPANS, CacheSpec, keeps_pins
 
 MAX_POSITION = (1 << 31) - 1
-KV_FIELDS = ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold_k", "cold_v")
+KV_FIELDS = ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold_k", "cold_v", "loc_k", "loc_v")
 
 
 @jax.tree_util.register_dataclass
@@ -88,6 +92,9 @@ class KVCache:
     cold_step: jax.Array
     pin_lo: jax.Array
     pin_hi: jax.Array
+    loc_k: jax.Array
+    loc_v: jax.Array
+    loc_pos: jax.Array
     t: jax.Array
     start: jax.Array
 
@@ -127,6 +134,9 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         cold_step=jnp.zeros((1 if spec.reselects else 0,), jnp.int32),
         pin_lo=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
         pin_hi=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
+        loc_k=jnp.zeros((spec.local_layers, B, H, spec.local_window, D), dt),
+        loc_v=jnp.zeros((spec.local_layers, B, H, spec.local_window, D), dt),
+        loc_pos=neg(spec.local_window),
         t=jnp.asarray(start, jnp.int32), start=jnp.asarray(start, jnp.int32),
     )
 

@@ -78,8 +78,12 @@ def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Arra
 
 
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
-                 cache: KVCache, plan: StepPlan, inv_freq, *, kernel: str = "xla") -> tuple[jax.Array, KVCache]:
+                 cache: KVCache, plan: StepPlan, inv_freq, *, kernel: str = "xla", scale: float | None = None,
+                 logit_cap: float | None = None) -> tuple[jax.Array, KVCache]:
     """What a model layer calls: update this layer's cache (`update_layer`), then attend over both segments.
+
+    scale / logit_cap: the model's attention scale (None: head_dim ** -0.5) and attention-logit soft-cap
+    (None: none), static. The recall tier scores its pages on plain q.k, as for every other model.
 
     Returns the attention output [B, C, Hq, D] and the cache; positions are committed once per step
     by `step` (from `plan.next`), not here.
@@ -96,7 +100,7 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
 
     def attend(win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv):
         return attention.attend(q_BxCxHqxD, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid,
-                                bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel)
+                                bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel, scale=scale, logit_cap=logit_cap)
 
     rc = plan.recall
     if not rc.max_pages:

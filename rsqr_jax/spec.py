@@ -114,12 +114,14 @@ class CacheSpec:
     cold: ColdStore | None = None
     max_recall_pages: int = 0
     pins: int = 0
+    local_layers: int = 0
+    local_window: int = 0
 
     def __post_init__(self):
         for name in ("num_layers", "batch", "num_kv_heads", "head_dim", "win_capacity", "surv_capacity", "max_chunk",
-                     "max_recall_pages", "pins"):
+                     "max_recall_pages", "pins", "local_layers", "local_window"):
             v = getattr(self, name)
-            low = 0 if name in ("surv_capacity", "max_recall_pages", "pins") else 1
+            low = 0 if name in ("surv_capacity", "max_recall_pages", "pins", "local_layers", "local_window") else 1
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"CacheSpec.{name} must be an integer >= {low}, got {v!r}")
         if self.head_dim % 2:
@@ -134,6 +136,12 @@ class CacheSpec:
                              f"{self.cold_pages} pages")
         if self.cold is not None and self.cold.neighbors and not self.max_recall_pages:
             raise ValueError("recall neighbors > 0 need recall (max_recall_pages > 0)")
+        if bool(self.local_layers) != bool(self.local_window):
+            raise ValueError(f"local layers need a window and a window needs local layers, got local_layers="
+                             f"{self.local_layers}, local_window={self.local_window}")
+        if self.local_layers and self.token_ids:
+            raise ValueError("replay is not defined for hybrid local/global models (its consolidation pass would "
+                             "give the local layers a context they never saw)")
 
     @property
     def cold_slots(self) -> int:
@@ -204,6 +212,9 @@ class CacheSpec:
         """
         num_layers, num_kv_heads, head_dim = model_dims(dims, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                                         head_dim=head_dim)
+        # A hybrid model's local (sliding-window) layers get a ring of their window each, not the policy's cache.
+        local_layers, local_window = (int(_dim(dims, "local_layers") or 0), int(_dim(dims, "local_window") or 0))
+        num_layers -= local_layers
         hosts = host_policies(policies)
         win, surv, pre, tok = 1, 0, False, False
         for h in hosts:
@@ -214,7 +225,7 @@ class CacheSpec:
         if max_recall_pages is None:
             max_recall_pages = max(h["recall_pages"] for h in hosts)
         return cls(num_layers, batch, num_kv_heads, head_dim, win, surv, float_dtype_name(dtype), pre, tok, max_chunk,
-                   cold, max_recall_pages, pins)
+                   cold, max_recall_pages, pins, local_layers, local_window)
 
     def to_json(self) -> dict:
         """The spec as a session file holds it (the cold store nested, or None)."""
@@ -261,6 +272,9 @@ class CacheSpec:
             + self.cold_pages * summary_bytes * (3 if self.page_score == "quest" else 1)
             + (self.cold_slots * summary_bytes if self.page_score == "max" else 0),  # the float32 scoring copy
         }
+        if self.local_layers:  # the local layers' rings (their K/V and the slots' positions), a part of their own
+            out["local_window"] = (2 * self.local_layers * self.batch * self.num_kv_heads * self.head_dim
+                                   * jnp.dtype(self.dtype).itemsize + 4) * self.local_window
         out["total"] = sum(out.values())
         # Working memory of the recalled tokens of one layer (gathered per step; not part of the stored cache).
         out["recalled_slots"] = self.recall_slots * self.entry_bytes // self.num_layers
@@ -268,6 +282,13 @@ class CacheSpec:
 
 
 DIMS = ("num_layers", "num_kv_heads", "head_dim")
+
+
+def _dim(dims, name: str):
+    """dims' `name` (attribute or mapping key), None when it has none."""
+    if dims is None:
+        return None
+    return dims.get(name) if isinstance(dims, Mapping) else getattr(dims, name, None)
 
 
 def model_dims(dims=None, **given) -> tuple[int, int, int]:

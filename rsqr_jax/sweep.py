@@ -168,7 +168,7 @@ def _cache_partition(cache: KVCache) -> KVCache:
     """PartitionSpec of each leaf of a policy-vmapped cache: [P] on "policy", text batch on "batch"."""
     batch_axis = {"win_k": 2, "win_v": 2, "surv_k": 2, "surv_v": 2, "surv_k_rot": 2, "win_tok": 1, "surv_tok": 1,
                   "cold_k": 2, "cold_v": 2, "cold_sum": 2,
-                  "cold_lo": 2, "cold_hi": 2, "cold_k_glob": 2}
+                  "cold_lo": 2, "cold_hi": 2, "cold_k_glob": 2, "loc_k": 2, "loc_v": 2}
     specs = {}
     for f in dataclasses.fields(cache):
         nd = getattr(cache, f.name).ndim
@@ -230,8 +230,7 @@ def sweep_nll(apply_fn, params, tokens_BxT, policies: Policy | list[Policy], *, 
         if config is None:
             raise ValueError("sweep_nll needs config= (num_layers, num_kv_heads, head_dim) or spec=")
         recalls = bool(np.any(np.asarray(policies.recall_pages) > 0))
-        spec = CacheSpec.for_policies(policies, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                                      head_dim=config.head_dim, batch=B_pad, dtype=dtype, max_chunk=chunk, max_len=T,
+        spec = CacheSpec.for_policies(policies, dims=config, batch=B_pad, dtype=dtype, max_chunk=chunk, max_len=T,
                                       cold=(cold or ColdStore()) if recalls else None)
     elif spec.batch != B_pad:
         spec = dataclasses.replace(spec, batch=B_pad)

@@ -53,6 +53,9 @@ FAMILY_SPECS = {
                                              "rope_local_base_freq": 10000.0,
                                              "rope_scaling": {"rope_type": "linear", "factor": 4.0}}.items()))),
 }
+# Full attention: the same Gemma models with a window that spans the context (512 = max_position_embeddings).
+FAMILY_SPECS["gemma2_full"] = dataclasses.replace(FAMILY_SPECS["gemma2"], sliding_window=512, seed=17)
+FAMILY_SPECS["gemma3_full"] = dataclasses.replace(FAMILY_SPECS["gemma3"], sliding_window=512, seed=18)
 
 
 def hf_config(spec: FamilySpec):

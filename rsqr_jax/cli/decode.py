@@ -170,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = args.model if args.model is not None else default_model_path()
     cfg = load_config(model_path)
     chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
-    sizes = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                 dtype=args.cache_dtype, max_chunk=chunk, **cold_store_args(args))
+    sizes = dict(dims=cfg, dtype=args.cache_dtype, max_chunk=chunk, **cold_store_args(args))
     if header is not None:
         try:  # the identity the loaded model will have (checked again by Session.load)
             check_identity(args.resume, header["identity"], LoadedModel(cfg, None, model_path, weights_dtype).identity)
@@ -288,8 +287,7 @@ def main_jsonl(args) -> int:
     status(chat.describe_sampling(values, seed))
     chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
     max_len = chat.streams_max_len(tok, lines, args.max_len or cfg.max_position_embeddings)
-    spec = CacheSpec.for_policies(policy, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, dtype=args.cache_dtype, max_chunk=chunk, max_len=max_len,
+    spec = CacheSpec.for_policies(policy, dims=cfg, dtype=args.cache_dtype, max_chunk=chunk, max_len=max_len,
                                   **cold_store_args(args))
     n_slots = min(args.streams, len(lines))
     check_cache_fits(n_slots * spec.bytes_by_part(policy)["total"])

@@ -38,8 +38,7 @@ def cache_spec(model: Model, policies, *, chunk: int, max_len: int, cold: ColdSt
     cold store `cold` (recall tier) when a policy recalls."""
     cfg = model.config
     recalls = any(h["recall_pages"] for h in host_policies(policies))
-    return CacheSpec.for_policies(policies, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, dtype=model.dtype, max_chunk=chunk, max_len=max_len,
+    return CacheSpec.for_policies(policies, dims=cfg, dtype=model.dtype, max_chunk=chunk, max_len=max_len,
                                   cold=cold if recalls else None)
 
 

@@ -29,9 +29,10 @@ class ModelConfig:
     norms, a post-norm after attention and after the MLP, GeGLU, embeddings scaled by sqrt(hidden).
     query_pre_attn_scalar: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
     attn_logit_softcap / final_logit_softcap: tanh(x / cap) * cap on the attention scores / the logits.
-    sliding_window + layer_types: layers typed LOCAL attend to their last sliding_window tokens (a hybrid
-    model); layer_types None = every layer GLOBAL. local_rope_theta / local_rope_scaling: the local layers'
-    RoPE (Gemma 3); None = the global one."""
+    layer_types: each layer LOCAL (sliding-window) or GLOBAL; None = every layer GLOBAL. sliding_window: the
+    LOCAL layers' window (tokens each attends to, itself included), None when it spans the context (then they
+    attend like global layers). local_rope_theta / local_rope_scaling: the LOCAL layers' RoPE (Gemma 3); None =
+    the global one."""
 
     arch: str
     vocab_size: int
@@ -68,17 +69,23 @@ class ModelConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers or set(self.layer_types) - {LOCAL, GLOBAL}:
                 raise ModelLoadError(f"layer_types must name {self.num_layers} layers, each {LOCAL!r} or {GLOBAL!r}")
-            if LOCAL in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
-                raise ModelLoadError("sliding-window layers need a positive sliding_window")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be positive, got {self.sliding_window}")
 
     @property
     def gemma(self) -> bool:
         return self.arch in GEMMA
 
     @property
-    def is_local(self) -> tuple[bool, ...]:
-        """Per layer: a sliding-window (local) layer."""
+    def local_rope(self) -> tuple[bool, ...]:
+        """Per layer: typed LOCAL (it uses local_inv_freq)."""
         return tuple(t == LOCAL for t in (self.layer_types or (GLOBAL,) * self.num_layers))
+
+    @property
+    def is_local(self) -> tuple[bool, ...]:
+        """Per layer: attends to a bounded window (typed LOCAL, with a sliding_window): it keeps a ring of its own
+        in the cache, the other layers the policy's cache."""
+        return tuple(r and self.sliding_window is not None for r in self.local_rope)
 
     @property
     def local_layers(self) -> int:

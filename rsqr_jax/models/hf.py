@@ -62,15 +62,12 @@ def _rope(rope: dict, max_pos: int, where: Path) -> tuple[float, RopeScaling | N
         raise ModelLoadError(f"{e} in {where / 'config.json'}") from None
 
 
-def _layer_types(cfg: dict, arch: str, n_layers: int, window, max_pos: int, d: Path) -> tuple[str, ...] | None:
+def _layer_types(cfg: dict, arch: str, n_layers: int, d: Path) -> tuple[str, ...] | None:
     """The per-layer attention types (None: every layer global), from config.json's layer_types or, for configs
-    written before it existed, each family's own rule; a sliding window that spans max_position_embeddings is
-    no window at all."""
+    written before it existed, each family's own rule (a Mistral window applies to every layer)."""
     if arch in ("qwen2", "qwen3"):
         if cfg.get("use_sliding_window"):
             raise ModelLoadError(f"use_sliding_window=true in {d} is not supported (full attention only)")
-        return None
-    if not window or int(window) >= max_pos:
         return None
     types = cfg.get("layer_types")
     if types is None:
@@ -79,8 +76,10 @@ def _layer_types(cfg: dict, arch: str, n_layers: int, window, max_pos: int, d: P
         elif arch == "gemma3":
             pattern = int(cfg.get("sliding_window_pattern", 6))
             types = [LOCAL if (i + 1) % pattern else GLOBAL for i in range(n_layers)]
-        else:  # Mistral: one window for every layer
+        elif cfg.get("sliding_window"):  # Mistral: one window for every layer
             types = [LOCAL] * n_layers
+        else:
+            return None
     types = tuple(types)
     if len(types) != n_layers or set(types) - {LOCAL, GLOBAL}:
         raise ModelLoadError(f"layer_types in {d / 'config.json'} must name {n_layers} layers, each {LOCAL!r} "
@@ -128,8 +127,10 @@ def load_config(d: Path) -> ModelConfig:
         theta, scaling = _rope(rope, max_pos, d)
         if arch == "gemma3" and local_theta is None:  # configs from before rope_parameters
             local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
-        window = cfg.get("sliding_window")
-        types = _layer_types(cfg, arch, n_layers, window, max_pos, d)
+        types = _layer_types(cfg, arch, n_layers, d)
+        # a window that spans max_position_embeddings is no window at all (the layers stay typed: their RoPE)
+        window = cfg.get("sliding_window") if types else None
+        window = int(window) if window and int(window) < max_pos else None
         eos = _as_list(cfg.get("eos_token_id"))
         gen = d / "generation_config.json"
         if gen.is_file():
@@ -157,7 +158,7 @@ def load_config(d: Path) -> ModelConfig:
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim) if gemma else None,
             attn_logit_softcap=softcap("attn_logit_softcapping") if arch == "gemma2" else None,
             final_logit_softcap=softcap("final_logit_softcapping") if gemma else None,
-            sliding_window=int(window) if types else None,
+            sliding_window=window,
             layer_types=types,
             local_rope_theta=local_theta if types else None,
             local_rope_scaling=local_scaling if types else None,

@@ -2,8 +2,9 @@
 Qwen3 q/k norms, Gemma 2 / Gemma 3; rsqr_jax.models.config).
 
 Layer weights are stacked on a leading axis and the layers run under one `lax.scan`, so compile time
-does not grow with depth. Attention is not implemented here: each layer hands its raw q/k/v to
-`rsqr_jax.layer_step.attend_layer`, which owns RoPE, the cache and every eviction policy.
+does not grow with depth. Attention is not implemented here: each global layer hands its raw q/k/v to
+`rsqr_jax.layer_step.attend_layer`, which owns RoPE, the cache and every eviction policy; each local
+(sliding-window) layer of a hybrid model to `rsqr_jax.hybrid.attend_local`, its own ring of the window.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from rsqr_jax.models.config import ModelConfig
+from rsqr_jax import hybrid
 from rsqr_jax.cache import KVCache
 from rsqr_jax.layer_step import attend_layer
 from rsqr_jax.update import StepPlan
@@ -85,9 +87,22 @@ class Llama(nnx.Module):
         stacked = {name: getattr(self, name)[...] for name in layer_keys(cfg)}
         norm = functools.partial(gemma_rms_norm if cfg.gemma else rms_norm, eps=cfg.rms_norm_eps)
         act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else jax.nn.silu
+        # Only the families that need them pass these on: the other programs (and an experiment's own `attend`)
+        # are the same as ever.
+        attn_kw = {k: v for k, v in (("scale", cfg.attn_scale), ("logit_cap", cfg.attn_logit_softcap)) if v is not None}
         x_BxCxH = jnp.take(self.embed[...], tokens_BxC, axis=0)
         if cfg.gemma:  # HF: the normalizer is a tensor of the hidden states' dtype
             x_BxCxH = x_BxCxH * jnp.asarray(cfg.hidden_size ** 0.5, x_BxCxH.dtype)
+        # Each layer is one of three kinds: the policy's cache with the global RoPE (0) or with the local layers'
+        # RoPE (1: Gemma 3's local layers when their window spans the context), or a local ring (2).
+        ring = np.asarray(cfg.is_local)
+        local_rope = np.asarray(cfg.local_rope) & (not np.array_equal(cfg.local_inv_freq, inv_freq))
+        kind = np.where(ring, 2, local_rope.astype(np.int32))
+        used = sorted(set(kind.tolist()))
+        slots = np.where(ring, np.cumsum(ring) - 1, np.cumsum(~ring) - 1).astype(np.int32)
+        if ring.any():
+            hybrid.check_cache(cache, cfg)
+            local = hybrid.plan_local(cache, plan, C)
 
         def attention(p, h):
             q, k, v = _dense(h, p["wq"]), _dense(h, p["wk"]), _dense(h, p["wv"])
@@ -100,10 +115,20 @@ class Llama(nnx.Module):
 
         def layer(carry, xs):
             x, cache = carry
-            p, idx = xs
+            p, kind_l, slot = xs  # slot: the layer's index among the layers of its cache (policy or ring)
             h = norm(x, p["attn_norm"])
             q, k, v = attention(p, h)
-            attn, cache = attend(idx, q, k, v, cache, plan, inv_freq, kernel=kernel)
+            branches = {
+                0: lambda c: attend(slot, q, k, v, c, plan, inv_freq, kernel=kernel, **attn_kw),
+                1: lambda c: attend(slot, q, k, v, c, plan, cfg.local_inv_freq, kernel=kernel, **attn_kw),
+                2: lambda c: hybrid.attend_local(slot, q, k, v, c, local, cfg.local_inv_freq, window=cfg.local_window,
+                                                 kernel=kernel, **attn_kw),
+            }
+            if len(used) == 1:
+                attn, cache = branches[used[0]](cache)
+            else:  # an unbatched index (a model constant): a real switch even under a policy vmap
+                index = jnp.searchsorted(jnp.asarray(used), kind_l)
+                attn, cache = jax.lax.switch(index, [branches[u] for u in used], cache)
             o = _dense(attn.reshape(B, C, Hq * D).astype(x.dtype), p["wo"])
             x = x + (norm(o, p["post_attn_norm"]) if cfg.gemma else o)
             h = norm(x, p["mlp_norm"])
@@ -111,7 +136,9 @@ class Llama(nnx.Module):
             x = x + (norm(m, p["post_mlp_norm"]) if cfg.gemma else m)
             return (x, cache), ((q, k) if capture_qk else None)
 
-        (x_BxCxH, cache), qk = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.arange(cfg.num_layers)))
+        (x_BxCxH, cache), qk = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.asarray(kind), jnp.asarray(slots)))
+        if ring.any():
+            cache = cache.replace(loc_pos=local.next_pos)
         h = norm(x_BxCxH, self.final_norm[...])
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
