@@ -276,3 +276,45 @@ def test_sweep_and_eval_stream_on_hybrid(gemma_dirs, loaded):
     out = json.loads(proc.stdout)
     assert out["cache_bytes"]["local_window"] > 0
     np.testing.assert_allclose(out["nll"], float(own[0].mean()), rtol=1e-4)
+
+
+def test_lm_eval_engine_on_hybrid(loaded):
+    """The lm-eval model's engine on a hybrid model: its scores are -sum of the streamed NLL (rsqr, whose
+    16-token window and the 24-token local window the 50-token requests overflow), and the lm-eval model
+    builds its cache with the local rings."""
+    from rsqr_jax.engine import stream_nll
+    from rsqr_jax.eval.harness import SequentialEngine
+    from rsqr_jax.models.llama import split_apply
+    from rsqr_jax.spec import CacheSpec
+
+    model = loaded["gemma2"]
+    cfg = model.config
+    apply_fn, params = split_apply(model.model)
+    policy = POLICIES["rsqr"]()
+    rng = np.random.default_rng(11)
+    print("seed 11")
+    reqs = [(rng.integers(3, 100, 40).tolist(), rng.integers(3, 100, 10).tolist())]
+    sizes = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    engine = SequentialEngine(apply_fn, params, policy, max_length=96, chunk=8, dims=cfg, **sizes)
+    assert (engine.spec.num_layers, engine.spec.local_layers) == (2, 2)
+    spec = CacheSpec.for_policies(policy, dims=cfg, max_chunk=8, max_len=96)
+    for (ctx, cont), (lp, _) in zip(reqs, engine.score(reqs)):
+        nll, _ = stream_nll(apply_fn, params, np.asarray([ctx + cont]), policy, spec, chunk=8, segment=8)
+        np.testing.assert_allclose(lp, -nll[0, -len(cont):].sum(), rtol=1e-5)
+    pytest.importorskip("lm_eval")
+    from rsqr_jax.eval.lm_eval_model import RsqrLM
+
+    lm = RsqrLM.from_model_args("policy=rsqr,window=16,sinks=2,delta=3,max_survivors=6,max_length=96,max_gen_toks=8",
+                                pieces=(apply_fn, params, cfg, model.tokenizer))
+    assert lm.engine.spec.local_layers == 2 and lm.engine.spec.local_window == 24
+
+
+def test_rsqr_without_survivors_is_streamingllm_on_hybrid(gemma_dirs, loaded):
+    """docs/design.md §4, consequence 1, layer by layer on a hybrid model: rsqr with delta = 0 equals
+    streamingllm (same token set on the global layers, the same rings on the local ones)."""
+    spec, directory = gemma_dirs["gemma2"]
+    ids = _text_ids(directory, spec, T=64)[0]
+    a, ca, _ = _stream(loaded["gemma2"], P.rsqr(window=16, n_sink=2, delta=0, max_survivors=1), ids, [4] * 16)
+    b, cb, _ = _stream(loaded["gemma2"], P.streamingllm(window=16, n_sink=2), ids, [4] * 16)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(ca.loc_pos), np.asarray(cb.loc_pos))

@@ -60,7 +60,7 @@ class RequestEngine(Protocol):
 
 
 def _setup(engine, apply_fn, params, policy: Policy, *, num_layers, num_kv_heads, head_dim, max_length, chunk, dtype,
-           cold_store) -> None:
+           cold_store, dims=None) -> None:
     """The settings both engines share: bounded, chunk (capped by a bounded window), max_length, spec."""
     h = policy.host()
     engine.bounded = h["mode"] != P.FULL
@@ -68,9 +68,9 @@ def _setup(engine, apply_fn, params, policy: Policy, *, num_layers, num_kv_heads
         raise ValueError(f"chunk must be >= 1 and max_length >= 2, got {chunk} and {max_length}")
     engine.chunk = min(int(chunk), h["window"]) if engine.bounded else int(chunk)
     engine.max_length = int(max_length)
-    engine.spec = CacheSpec.for_policies(policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                         dtype=dtype, max_chunk=engine.chunk, max_len=engine.max_length,
-                                         **(cold_store or {}))
+    engine.spec = CacheSpec.for_policies(policy, dims=dims, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                         head_dim=head_dim, dtype=dtype, max_chunk=engine.chunk,
+                                         max_len=engine.max_length, **(cold_store or {}))
     validate(policy, engine.spec, chunk=engine.chunk)
     engine.apply_fn, engine.params, engine.policy = apply_fn, params, policy
 
@@ -111,14 +111,16 @@ class SequentialEngine:
 
     chunk: tokens fed per compiled step (capped by the policy's window). Scoring feeds the chunks before
     the first scored position without the vocabulary projection (`Decoder.advance`). cold_store: the
-    recall tier's CacheSpec keywords (cold: a ColdStore, max_recall_pages).
+    recall tier's CacheSpec keywords (cold: a ColdStore, max_recall_pages). dims: the model config, for the
+    rings of a hybrid model's local layers (CacheSpec.for_policies; the sizes must agree with it).
     """
 
     def __init__(self, apply_fn: Callable, params, policy: Policy, *, num_layers: int, num_kv_heads: int,
                  head_dim: int, max_length: int = 2048, chunk: int = 32, dtype: str = "float32",
-                 cold_store: dict | None = None, gen_block: int = 16, eos_ids: Sequence[int] = (), seed: int = 0):
+                 cold_store: dict | None = None, gen_block: int = 16, eos_ids: Sequence[int] = (), seed: int = 0,
+                 dims=None):
         _setup(self, apply_fn, params, policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-               max_length=max_length, chunk=chunk, dtype=dtype, cold_store=cold_store)
+               max_length=max_length, chunk=chunk, dtype=dtype, cold_store=cold_store, dims=dims)
         self.decoder = Decoder.for_policy(apply_fn, self.spec, policy, gen_block=gen_block,
                                           repeat_last_n=Sampling().repeat_last_n)
         self.gen_block, self.eos_ids, self.seed = gen_block, tuple(int(e) for e in eos_ids), seed
@@ -187,11 +189,12 @@ class StreamsEngine:
 
     def __init__(self, apply_fn: Callable, params, policy: Policy, *, n_slots: int, num_layers: int,
                  num_kv_heads: int, head_dim: int, max_length: int = 2048, chunk: int = 32, dtype: str = "float32",
-                 cold_store: dict | None = None, gen_block: int = 16, eos_ids: Sequence[int] = (), seed: int = 0):
+                 cold_store: dict | None = None, gen_block: int = 16, eos_ids: Sequence[int] = (), seed: int = 0,
+                 dims=None):
         if isinstance(n_slots, bool) or not isinstance(n_slots, (int, np.integer)) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         _setup(self, apply_fn, params, policy, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-               max_length=max_length, chunk=chunk, dtype=dtype, cold_store=cold_store)
+               max_length=max_length, chunk=chunk, dtype=dtype, cold_store=cold_store, dims=dims)
         self.n_slots = int(n_slots)
         self.decoder = Decoder(apply_fn, self.spec, fixed_policy=policy_values(policy), gen_block=gen_block,
                                vmap_streams=True)

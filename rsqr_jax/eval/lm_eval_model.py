@@ -141,7 +141,7 @@ class RsqrLM(TemplateLM):
             apply_fn, params = split_apply(loaded.model, kernel=a["kernel"])
             pieces = (apply_fn, params, loaded.config, loaded.tokenizer)
         apply_fn, params, cfg, tokenizer = pieces
-        kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dims=cfg,
                   max_length=a["max_length"], chunk=a["chunk"], dtype=a["dtype"], cold_store=cold,
                   gen_block=a["gen_block"], eos_ids=cfg.eos_token_ids, seed=a["seed"])
         try:
