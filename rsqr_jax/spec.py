@@ -122,6 +122,8 @@ class CacheSpec:
                      "max_recall_pages", "pins", "local_layers", "local_window"):
             v = getattr(self, name)
             low = 0 if name in ("surv_capacity", "max_recall_pages", "pins", "local_layers", "local_window") else 1
+            if name == "num_layers" and self.local_layers:  # every layer local (Mistral's window): no policy layer
+                low = 0
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"CacheSpec.{name} must be an integer >= {low}, got {v!r}")
         if self.head_dim % 2:
@@ -277,7 +279,7 @@ class CacheSpec:
                                    * jnp.dtype(self.dtype).itemsize + 4) * self.local_window
         out["total"] = sum(out.values())
         # Working memory of the recalled tokens of one layer (gathered per step; not part of the stored cache).
-        out["recalled_slots"] = self.recall_slots * self.entry_bytes // self.num_layers
+        out["recalled_slots"] = self.recall_slots * self.entry_bytes // self.num_layers if self.num_layers else 0
         return out
 
 

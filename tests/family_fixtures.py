@@ -161,13 +161,16 @@ def build_tokenizer(arch: str):
     return tok
 
 
-def write_qwen3_gguf(hf_model, spec: FamilySpec, path: str | os.PathLike) -> Path:
+def write_qwen3_gguf(hf_model, spec: FamilySpec, path: str | os.PathLike, sliding_window: int | None = None,
+                     arch: str = "qwen3") -> Path:
     """An F32 GGUF of a tiny Qwen3 the way convert_hf_to_gguf writes one (Qwen3Model: Qwen2's tensor names, q/k
-    rows not permuted, the per-head norms as attn_q_norm / attn_k_norm). Token list: placeholders <t{i}>."""
+    rows not permuted, the per-head norms as attn_q_norm / attn_k_norm). Token list: placeholders <t{i}>.
+    sliding_window: also write <arch>.attention.sliding_window; arch: the architecture the file names (another
+    one only for tests of the loader's metadata)."""
     import gguf
 
     assert spec.arch == "qwen3"
-    w = gguf.GGUFWriter(os.fspath(path), "qwen3")
+    w = gguf.GGUFWriter(os.fspath(path), arch)
     w.add_block_count(spec.num_layers)
     w.add_context_length(spec.max_position_embeddings)
     w.add_embedding_length(spec.hidden_size)
@@ -179,6 +182,8 @@ def write_qwen3_gguf(hf_model, spec: FamilySpec, path: str | os.PathLike) -> Pat
     w.add_rope_dimension_count(spec.head_dim)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     w.add_tokenizer_model("gpt2")
     tokens = [f"<t{i}>" for i in range(spec.vocab_size)]
     tokens[0], tokens[1], tokens[2] = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -204,3 +209,35 @@ def write_qwen3_gguf(hf_model, spec: FamilySpec, path: str | os.PathLike) -> Pat
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+STEPS: dict = {}  # (id(model), CacheSpec) -> (jitted step, params); a test module clears it when it ends
+
+
+def stream_logits(model, policy, ids_T, chunks, **spec_kw):
+    """Logits [T, V] (numpy) of ids_T fed to a loaded model (rsqr_jax.models.llama.load_model) in chunks of the
+    given sizes, then one token at a time, under `policy`; and the final cache and its spec (made from the model
+    config, so a hybrid model's local layers get their rings)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rsqr_jax.cache import init_cache
+    from rsqr_jax.models.llama import split_apply
+    from rsqr_jax.spec import CacheSpec
+    from rsqr_jax.update import step
+
+    T = len(ids_T)
+    spec = CacheSpec.for_policies(policy, dims=model.config, max_chunk=max(chunks), max_len=T, **spec_kw)
+    key = (id(model), spec)
+    if key not in STEPS:  # one jitted step per model and spec: policies are traced values, so they share it
+        apply_fn, params = split_apply(model.model)
+        STEPS[key] = (jax.jit(lambda p, tok, c, pol: step(apply_fn, p, tok, c, pol, **spec.recall_args)), params)
+    run, params = STEPS[key]
+    cache, out, n = init_cache(spec), [], 0
+    sizes = list(chunks)
+    while n < T:
+        c = min(sizes.pop(0) if sizes else 1, T - n)
+        logits, cache = run(params, jnp.asarray(ids_T[None, n:n + c], jnp.int32), cache, policy)
+        out.append(np.asarray(logits[0]))
+        n += c
+    return np.concatenate(out), cache, spec

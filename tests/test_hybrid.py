@@ -41,42 +41,14 @@ def _check(ours, ref, what):
     assert (ours.argmax(-1) == ref.argmax(-1)).all(), f"{what}: greedy tokens differ"
 
 
-_STEPS: dict = {}
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _drop_steps():
     """The jitted steps live for this module only (conftest drops the compiled executables after each)."""
     yield
-    _STEPS.clear()
+    F.STEPS.clear()
 
 
-def _stream(model, policy, ids_T, chunks, **spec_kw):
-    """Logits [T, V] of ids_T fed in chunks of the given sizes (then one token at a time) under `policy`, and
-    the final cache and spec."""
-    import jax
-    import jax.numpy as jnp
-
-    from rsqr_jax.cache import init_cache
-    from rsqr_jax.models.llama import split_apply
-    from rsqr_jax.spec import CacheSpec
-    from rsqr_jax.update import step
-
-    T = len(ids_T)
-    spec = CacheSpec.for_policies(policy, dims=model.config, max_chunk=max(chunks), max_len=T, **spec_kw)
-    key = (id(model), spec)
-    if key not in _STEPS:  # one jitted step per model and spec: policies are traced values, so they share it
-        apply_fn, params = split_apply(model.model)
-        _STEPS[key] = (jax.jit(lambda p, tok, c, pol: step(apply_fn, p, tok, c, pol, **spec.recall_args)), params)
-    run, params = _STEPS[key]
-    cache, out, n = init_cache(spec), [], 0
-    sizes = list(chunks)
-    while n < T:
-        c = min(sizes.pop(0) if sizes else 1, T - n)
-        logits, cache = run(params, jnp.asarray(ids_T[None, n:n + c], jnp.int32), cache, policy)
-        out.append(np.asarray(logits[0]))
-        n += c
-    return np.concatenate(out), cache, spec
+_stream = F.stream_logits
 
 
 @pytest.mark.parametrize("name", ["gemma2_full", "gemma3_full"])

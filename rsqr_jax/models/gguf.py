@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from rsqr_jax.models.config import ModelConfig, ModelLoadError
+from rsqr_jax.models.config import LOCAL, ModelConfig, ModelLoadError
 from rsqr_jax.models.layout import canonical_shapes, empty, eos_with_end_of_turn, one_line, stack_layers
 from rsqr_jax.rope import RopeScaling, inverse_frequencies
 
@@ -185,6 +185,10 @@ def load_config(p: Path) -> ModelConfig:
     vocab = int(tensors["token_embd.weight"].shape[-1])
     vocab_map = {t: i for i, t in enumerate(tokens)} if tokens else None
     eos = [_int(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    # Mistral's sliding window on every layer, where the file records one shorter than the context (see hf.py;
+    # Qwen's is never on in its checkpoints).
+    window = _int(reader, "llama.attention.sliding_window") if arch == "llama" else None
+    window = window if window and window < ctx else None
 
     return ModelConfig(
         arch=arch,
@@ -204,6 +208,8 @@ def load_config(p: Path) -> ModelConfig:
         eos_token_ids=eos_with_end_of_turn(eos, vocab_map),
         max_position_embeddings=ctx,
         qk_norm=arch == "qwen3",
+        sliding_window=window,
+        layer_types=(LOCAL,) * req("block_count") if window else None,
     )
 
 

@@ -86,12 +86,7 @@ def _resolve(path: str | os.PathLike | None) -> tuple[Path, object]:
 def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     """ModelConfig from a GGUF file or an HF directory (None: the default SmolLM2 GGUF)."""
     p, source = _resolve(path)
-    config = source.load_config(p)
-    if config.local_layers == config.num_layers:  # the policy would reach no layer
-        raise ModelLoadError(f"{config.arch} with a sliding window of {config.sliding_window} tokens on every layer "
-                             f"(shorter than its context, {config.max_position_embeddings}) is not supported "
-                             f"({p.name}): only hybrid local/global models")
-    return config
+    return source.load_config(p)
 
 
 def iter_weights(path: str | os.PathLike | None = None,
