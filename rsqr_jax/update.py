@@ -245,7 +245,9 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
         recall=recall,
         next=Positions(win_pos=win_pos, win_stored_rot=win_rot_new, surv_pos=surv_pos, surv_rank=surv_rank,
                        surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, cold_pos=cold_pos,
-                       cold_step=cache.cold_step + 1, t=n),
+                       # a prompt restarts the count: the first decode step after it chooses afresh too (its
+                       # one row is the answer's query, where the prompt's choice is a max over its rows)
+                       cold_step=jnp.where(n_valid > 1, 0, cache.cold_step + 1), t=n),
     )
 
 

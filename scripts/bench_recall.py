@@ -3,6 +3,7 @@
 
     python scripts/bench_recall.py --out runs/bench_recall            # cold stores 0, 4k, 16k, 64k tokens
     python scripts/bench_recall.py --cold-sizes 0,4096 --prompt-tokens 32,2048,4608   # empty, half full, wrapped
+    python scripts/bench_recall.py --cold-sizes 0,65536 --prompt-tokens 66304 --fill --reselect 1,8   # a full 64k store
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                    "that stays inside the window with every generated token leaves the store empty)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--fill", action="store_true", help="feed each store size's prompt once with recall off and "
+                   "start every arm from that state (a full store without one recall prefill per arm)")
     p.add_argument("--quick", action="store_true", help="cold stores 0 and 256, 8 tokens, 1 round")
     p.add_argument("--out", default=None, metavar="DIR")
     p.add_argument("--json", action="store_true")
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     rules = {"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}
     cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size, **rules,
                               prompt_tokens=prompts, new_tokens=args.new_tokens, rounds=args.rounds,
-                              reselects=reselects)
+                              reselects=reselects, fill=args.fill)
     loaded, apply_fn, params = load_model_from_args(args)
     result = B.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:

@@ -87,6 +87,30 @@ def test_reselect_one_is_the_plain_recall_tier_and_a_prompt_always_chooses():
     assert np.abs(_stream(pol, _spec(pol, cold=16, page=4, reselect=10**6), tokens)[0] - base).max() > 1e-3
 
 
+def test_the_first_decode_step_after_a_prompt_chooses_then_keeps():
+    """A prompt restarts the count: the decode step right after it scores the store (as reselect = 1 does), the
+    next ones keep that choice."""
+    tokens = np.random.default_rng(_seed("after a prompt")).integers(0, CFG.vocab_size, size=30)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    apply_fn, params = _model(2)
+    out = {}
+    for k in (1, 10**6):
+        dec = rj.Decoder(apply_fn, _spec(pol, cold=16, page=4, reselect=k, chunk=4))
+        cache = dec.init_cache()
+        for t in range(0, 24, 4):
+            _, cache = dec.feed(params, tokens[None, t:t + 4], cache, pol)
+        rows, choices = [], []
+        for t in range(24, 30):
+            logits, cache = dec.feed(params, tokens[None, t:t + 1], cache, pol)
+            rows.append(np.asarray(logits[0, -1], np.float64))
+            choices.append(np.asarray(cache.cold_choice))
+        out[k] = rows, choices
+    np.testing.assert_allclose(out[10**6][0][0], out[1][0][0], atol=1e-5, rtol=0)  # the first step chose afresh
+    kept = out[10**6][1]
+    assert all(np.array_equal(kept[0], c) for c in kept[1:])  # then kept it
+    assert max(np.abs(a - b).max() for a, b in zip(out[10**6][0], out[1][0])) > 1e-4  # and keeping it matters
+
+
 def test_reselect_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="reselect must be an integer >= 1"):
         rj.ColdStore(16, 4, reselect=0)

@@ -2,7 +2,12 @@
 plain rsqr in one process (rounds interleaved, so load on the machine hits every arm alike): the recall
 overhead as a ratio, and the cold store's memory. Each prompt length is its own arm (a prompt shorter than
 the window leaves the store empty; longer ones fill it to prompt - window tokens, and past its capacity the
-ring wraps); each row reports how many tokens were recallable when its timing began and ended."""
+ring wraps); each row reports how many tokens were recallable when its timing began and ended.
+
+`fill`: a long prompt that fills the store is fed once per store size with recall off (recall_pages = 0: the
+store is written as ever, nothing is scored), and every arm of that size starts from the filled state - so a
+full 64k-token store costs one plain prefill, not one recall prefill per arm. Plain rsqr starts from the
+same state without the store (the window and survivors do not depend on it)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ class BenchRecallConfig:
     rounds: int = 3
     page_scores: tuple[str, ...] = (DEFAULT_PAGE_SCORE,)  # every recalling size runs under each rule (spec.PAGE_SCORES)
     reselects: tuple[int, ...] = (1,)  # and under each ColdStore.reselect (pages chosen afresh every k steps)
+    fill: bool = False  # feed each size's prompt once with recall off; every arm starts from that state
 
     def __post_init__(self):
         if not self.cold_sizes or any(c < 0 or c % self.page_size for c in self.cold_sizes):
@@ -56,6 +62,24 @@ def _recallable(session) -> int:
     return int(((pos >= 0) & (pos < w0)).sum())
 
 
+def _adopt(session, src) -> None:
+    """`session` continues from `src`'s stream: every cache field of the same shape is taken over; the others
+    (the cold store for plain rsqr, the kept page choice for reselect > 1) stay as `session` initialised them."""
+    import dataclasses as dc
+
+    import jax.numpy as jnp
+
+    fields = {}
+    for f in dc.fields(session.cache):
+        mine, theirs = getattr(session.cache, f.name), getattr(src.cache, f.name)
+        if mine.shape == theirs.shape:
+            fields[f.name] = jnp.copy(theirs)  # a copy of its own: steps donate the cache they are given
+        elif not f.name.startswith("cold_"):
+            raise ValueError(f"cannot start from the filled stream: cache field {f.name} differs in shape")
+    session.cache = session.cache.replace(**fields)
+    session.recent, session.pending, session.rng = jnp.copy(src.recent), src.pending, jnp.copy(src.rng)
+
+
 def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> dict:
     from rsqr_jax import policy as P
     from rsqr_jax.session import Session
@@ -65,7 +89,8 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
     dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                 head_dim=model_config.head_dim, max_chunk=min(64, cfg.window))
     sessions = {}  # (cold size, page rule or None, reselect, prompt length) -> (session, bytes by part)
-    for size in cfg.cold_sizes:
+    filled = {}  # (cold size, prompt length) -> the Session fed with recall off (fill)
+    for size in sorted(cfg.cold_sizes, reverse=cfg.fill):  # fill: plain rsqr takes a filled state
         for rule, every in ([(r, e) for r in cfg.page_scores for e in cfg.reselects] if size else [(None, 1)]):
             k = cfg.recall_pages if size else 0
             pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
@@ -74,10 +99,23 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
             for n, prompt in prompts.items():  # sessions of one spec share its compilation
                 s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
                 s.warmup()
-                s.feed(prompt)
+                if not cfg.fill:
+                    s.feed(prompt)
+                else:
+                    src = next((v for (c, m), v in filled.items() if m == n and (c == size or not size)), None)
+                    if src is None:  # this size's fill: the same spec, recall off
+                        src = Session(apply_fn, params, spec, dataclasses.replace(pol, recall_pages=0),
+                                      prefill_chunk=dims["max_chunk"])
+                        t0 = time.perf_counter()
+                        src.feed(prompt)
+                        status(f"bench_recall: cold {size}: {n} prompt tokens fed with recall off in "
+                               f"{time.perf_counter() - t0:.0f}s")
+                        filled[size, n] = src
+                    _adopt(s, src)
                 sessions[size, rule, every, n] = (s, spec.bytes_by_part(pol), _recallable(s))
             status(f"bench_recall: cold {size} ({rule or 'no recall'}, reselect {every}): compiled in "
                    f"{s.compile_s:.1f}s")
+    filled.clear()
     times = {key: [] for key in sessions}
     for r in range(cfg.rounds):
         for key, (s, *_) in sessions.items():
@@ -85,10 +123,10 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
             s.generate(cfg.new_tokens)
             times[key].append((time.perf_counter() - t0) / cfg.new_tokens)
         status(f"bench_recall: round {r + 1}/{cfg.rounds}")
-    first = next(iter(sessions))
+    first = next((key for key in sessions if key[0] == 0), next(iter(sessions)))  # plain rsqr, when it ran
     base = {n: float(np.median(times[first[:3] + (n,)])) for n in cfg.prompt_tokens}
     rows = []
-    for (size, rule, every, n), (s, parts, before) in sessions.items():
+    for (size, rule, every, n), (s, parts, before) in sorted(sessions.items(), key=lambda kv: kv[0][0]):
         ms = 1000 * float(np.median(times[size, rule, every, n]))
         rows.append({"cold_capacity": size, "page_score": rule, "recall_pages": cfg.recall_pages if size else 0,
                      "reselect": every, "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
