@@ -294,24 +294,33 @@ def plot(result: dict, path: str) -> str:
     cfg, cells = result["config"], result["cells"]
     pols, tasks = cfg["policies"], list(cells)
     width = 0.8 / len(pols)
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(tasks), 3.6))
+    fig, ax = plt.subplots(figsize=(4.5 + 1.6 * len(tasks), 3.6))
     for j, p in enumerate(pols):
-        xs, ys, err = [], [], [[], []]
+        xs, ys, err, ns = [], [], [[], []], []
         for i, t in enumerate(tasks):
-            c = cells[t][p]
+            c, x = cells[t][p], i + (j - (len(pols) - 1) / 2) * width
             if not c["n"]:
+                ax.text(x, 0.01, "not run", rotation=90, ha="center", va="bottom", fontsize=6, color="grey")
                 continue
-            xs.append(i + (j - (len(pols) - 1) / 2) * width)
+            xs.append(x)
             ys.append(c["score"])
             err[0].append(c["score"] - c["ci"][0])
             err[1].append(c["ci"][1] - c["score"])
-        ax.bar(xs, ys, width, yerr=err, capsize=2, label=cfg["describe"][p])
+            ns.append(c["n"])
+        ax.bar(xs, ys, width, yerr=err if xs else None, capsize=2, color=f"C{j}")
+        for x, y, n in zip(xs, ys, ns):
+            ax.text(x, 1.07, f"{n}", ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(tasks)))
-    ax.set_xticklabels([f"{t}\n(n={min(cells[t][p]['n'] for p in pols)})" for t in tasks], fontsize=8)
-    ax.set_ylim(0, 1.05)
+    ax.set_xticklabels(tasks, fontsize=8)
+    ax.text(-0.6, 1.07, "n:", ha="right", va="bottom", fontsize=6)
+    ax.set_ylim(0, 1.15)
     ax.set_ylabel("score (Wilson 95%)")
     ax.set_title(f"RULER at {cfg['seq_len']} tokens", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
+    from matplotlib.patches import Patch
+
+    ax.set_xlim(-0.5, len(tasks) - 0.5)
+    ax.legend(handles=[Patch(color=f"C{j}", label=cfg["describe"][p]) for j, p in enumerate(pols)], fontsize=7,
+              loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
