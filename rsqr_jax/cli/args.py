@@ -86,8 +86,9 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
     g.add_argument("--recall-neighbors", type=int, default=0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
     g.add_argument("--reselect", type=int, default=None,
-                   help="choose pages afresh every k decode steps (default 1: every step; prompts always choose); in "
-                   "between each layer attends the pages it chose last, so the scoring costs 1/k")
+                   help="choose pages afresh every k decode steps (default 1: every step, and 4 in decode.py's chat; "
+                   "prompts and the step after one always choose); in between each layer attends the pages it "
+                   "chose last, so the scoring costs 1/k")
     g.add_argument("--placement", default=None,
                    help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
                    "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
@@ -103,12 +104,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_recall_default(args) -> None:
-    """Set an unset --recall-pages (None) to the chat default for --policy (after a resumed session's
-    settings are applied, which fix it)."""
-    from rsqr_jax.cli.chat import default_recall_pages
+    """Set an unset --recall-pages (None) to the chat default for --policy, and an unset --reselect to the
+    chat's (after a resumed session's settings are applied, which fix both)."""
+    from rsqr_jax.cli.chat import DEFAULT_RESELECT, default_recall_pages
 
     if getattr(args, "recall_pages", 0) is None:
         args.recall_pages = default_recall_pages(args.policy)
+    if getattr(args, "reselect", 0) is None:
+        args.reselect = DEFAULT_RESELECT
 
 
 def policy_from_args(args):
