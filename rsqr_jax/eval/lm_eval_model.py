@@ -205,7 +205,7 @@ class RsqrLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        batch, stops = [], []  # every request in one engine call (streams run them concurrently)
+        batch, stops = [], []
         for context, gen_kwargs in [r.args for r in requests]:
             kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
