@@ -18,17 +18,11 @@ from rsqr_jax import policy as P
 from rsqr_jax.cache import PinError, cached_positions, init_cache, pin_span
 from rsqr_jax.session import Session
 from rsqr_jax.testing.oracle import reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+from rsqr_jax.testing.tiny import drawn_seed, tiny_weights
 from tests.cli import assert_one_line_errors
 from tests.tiny_session import CFG, model
 
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
-
-
-def _seed(name: str) -> int:
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"{name}: seed {seed}")  # a failing draw is reproducible from the log
-    return seed
 
 
 @pytest.mark.parametrize("mode", ["rsqr", "streamingllm", "rerotate"])
@@ -38,7 +32,7 @@ def test_pinned_stream_equals_the_float64_rank_oracle(mode):
     its hops stay at float32 rounding here)."""
     T, W, N, d, S = 64, 8, 2, 3, 2
     spans = [(5, 11), (30, 33)]
-    seed = _seed(f"pins {mode}")
+    seed = drawn_seed(f"pins {mode}")
     tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, size=T)
     kw = dict(window=W, n_sink=N) | ({} if mode == "streamingllm" else dict(delta=d, max_survivors=S))
     pol = P.make_policy(mode, **kw)
@@ -112,7 +106,7 @@ def test_a_session_pins_what_it_feeds_and_resumes_with_its_pins(tmp_path):
     """feed(..., pin=True), save, load: the resumed session holds the pins and continues exactly as the
     uninterrupted one; an unpinned session has evicted those tokens."""
     apply_fn, params = model()
-    ids = np.random.default_rng(_seed("session pins")).integers(0, CFG.vocab_size, size=40)
+    ids = np.random.default_rng(drawn_seed("session pins")).integers(0, CFG.vocab_size, size=40)
 
     def make(pins):
         return Session.create(apply_fn, params, P.rsqr(8, 2, 3, 2), dims=CFG, chunk=4, pins=pins,

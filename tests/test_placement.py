@@ -21,16 +21,10 @@ from rsqr_jax import policy as P
 from rsqr_jax.policy import PolicyError
 from rsqr_jax.spec import validate
 from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
+from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model, tiny_weights
 
 CFG = tiny_config()
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
-
-
-def _seed(name: str) -> int:
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"{name}: seed {seed}")  # a failing draw is reproducible from the log
-    return seed
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,7 +67,7 @@ def test_each_placement_equals_its_float64_oracle(placement):
     """A small cold ring (old pages overwritten) fully recalled, token by token, against the float64 oracle of the
     placement's definition; the placements differ from each other, so each equality has teeth."""
     T, W, N, d, S, Pg = 60, 8, 2, 3, 3, 4
-    seed = _seed(f"placement {placement}")
+    seed = drawn_seed(f"placement {placement}")
     tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, size=T)
     n_pages = _spec(P.rsqr(W, N, d, S), T, cold=8, page=Pg, placement=placement).cold_pages
     pol = P.rsqr(W, N, d, S, recall_pages=n_pages)  # every page of a ring that holds >= 8 evicted tokens
@@ -97,7 +91,7 @@ def test_each_placement_equals_its_float64_oracle(placement):
 
 @pytest.mark.parametrize("placement", ["true", "fixed"])
 def test_recall_pages_zero_is_plain_rsqr_under_every_placement(placement):
-    tokens = np.random.default_rng(_seed("zero")).integers(0, CFG.vocab_size, size=(1, 50))
+    tokens = np.random.default_rng(drawn_seed("zero")).integers(0, CFG.vocab_size, size=(1, 50))
     plain = P.rsqr(8, 2, 3, 3)
     base = _nll(plain, tokens, _spec(plain, 50, cold=0, page=4, placement=placement))
     store = rj.CacheSpec.for_policies([plain], max_len=50, cold=rj.ColdStore(16, 4, "mean", placement=placement),
@@ -111,7 +105,7 @@ def test_true_placement_with_everything_recalled_and_no_survivors_is_full(chunk)
     at its true distance: a store that holds every evicted token, fully recalled, is `full` (token by token and in
     chunks). Under `rank` the same holds with sinks and survivors too (tests/test_recall.py)."""
     T = 64
-    tokens = np.random.default_rng(_seed("true=full")).integers(0, CFG.vocab_size, size=(1, T))
+    tokens = np.random.default_rng(drawn_seed("true=full")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 0, 0, 0, recall_pages=T // 4)
     got = _nll(pol, tokens, _spec(pol, T, cold=T, page=4, placement="true", chunk=chunk), chunk=chunk)
     want = _nll(P.full(), tokens, rj.CacheSpec.for_policies([P.full()], max_chunk=chunk, max_len=T, **DIMS),

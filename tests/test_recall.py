@@ -25,19 +25,13 @@ import rsqr_jax as rj
 from rsqr_jax import policy as P
 from rsqr_jax.engine import TRACES
 from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
+from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model, tiny_weights
 from rsqr_jax.sampling import Sampling
 from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
 from rsqr_jax.update import commit, plan_step
 
 CFG = tiny_config()
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
-
-
-def _seed(name: str) -> int:
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"{name}: seed {seed}")  # a failing draw is reproducible from the log
-    return seed
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +52,7 @@ def spec_for(policies, T, *, chunk=1, cold=0, page=4, dtype="float32", max_pages
 
 
 def test_recall_pages_zero_equals_plain_rsqr():
-    tokens = np.random.default_rng(_seed("zero")).integers(0, CFG.vocab_size, size=(1, 70))
+    tokens = np.random.default_rng(drawn_seed("zero")).integers(0, CFG.vocab_size, size=(1, 70))
     plain = P.rsqr(8, 2, 3, 3)
     base = nll(plain, tokens, spec_for([plain], 70))
     with_store = nll(plain, tokens, spec_for([plain], 70, cold=32, max_pages=4))  # cold store, recall off
@@ -74,7 +68,7 @@ def test_recalling_every_evicted_token_equals_full(mode, chunk, neighbors, score
     """(neighbors = 1: every page also brings both neighbours, so each token is gathered up to three times;
     the equality holds only if each counts once. score = max: the rule with a scoring copy of the keys.)"""
     T = 64
-    tokens = np.random.default_rng(_seed("full")).integers(0, CFG.vocab_size, size=(1, T))
+    tokens = np.random.default_rng(drawn_seed("full")).integers(0, CFG.vocab_size, size=(1, T))
     kw = dict(window=8, n_sink=2) | (dict(delta=3, max_survivors=3) if mode == "rsqr" else {})
     pol = P.make_policy(mode, recall_pages=T // 4, **kw)  # every page of a store that holds everything
     got = nll(pol, tokens, spec_for([pol], T, chunk=chunk, cold=T, neighbors=neighbors, score=score), chunk=chunk)
@@ -88,7 +82,7 @@ def test_rsqr_with_recall_equals_the_float64_rank_oracle():
     """A small cold ring (old pages overwritten) fully recalled: sinks + survivors + the ring's evicted
     tokens + window, deduplicated, at their ranks, against the float64 oracle token by token."""
     T, W, N, d, S, Pg = 72, 8, 2, 3, 3, 4
-    seed = _seed("oracle")
+    seed = drawn_seed("oracle")
     tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, size=T)
     n_pages = spec_for([P.rsqr(W, N, d, S)], T, cold=8, page=Pg).cold_slots // Pg
     pol = P.rsqr(W, N, d, S, recall_pages=n_pages)  # every page of a ring that holds >= 8 evicted tokens
@@ -130,7 +124,7 @@ def test_cold_ring_keeps_what_the_model_says(window, n_sink, block, page, cold_p
 
 
 def test_page_choice_matches_a_numpy_model_of_the_scoring_rule():
-    rng = np.random.default_rng(_seed("scores"))
+    rng = np.random.default_rng(drawn_seed("scores"))
     B, C, Hq, Hkv, D, n_pages, Pg = 2, 3, 4, 2, 8, 6, 4
     q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
     cold_sum = rng.normal(size=(B, Hkv, n_pages, D)).astype(np.float32)
@@ -165,7 +159,7 @@ def test_max_rule_scores_each_page_by_its_best_recallable_token():
     """page_score "max" against numpy: the page's max over its recallable tokens of q . k (keys as stored in
     the scoring copy, rotated at their global positions), over real rows and all heads; a page whose tokens
     are all unrecallable is -inf, and an unrecallable token does not count even if it would win."""
-    rng = np.random.default_rng(_seed("max-rule"))
+    rng = np.random.default_rng(drawn_seed("max-rule"))
     B, C, Hq, Hkv, D, n_pages, Pg = 2, 3, 4, 2, 8, 5, 3
     q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
     k_glob = rng.normal(size=(B, Hkv, n_pages * Pg, D)).astype(np.float32)
@@ -202,7 +196,7 @@ def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token(C):
     the shortlist it is the "max" rule exactly."""
     from rsqr_jax.recall import shortlist_scores
 
-    rng = np.random.default_rng(_seed("shortlist"))
+    rng = np.random.default_rng(drawn_seed("shortlist"))
     B, Hq, Hkv, D, n_pages, Pg, M = 2, 4, 2, 8, 7, 3, 3
     assert (C * Hq <= Pg * Hkv) == (C == 1)
     q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
@@ -254,7 +248,7 @@ def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token(C):
 def test_neighbours_are_the_adjacent_pages_in_time_each_once():
     """with_neighbors against a plain-Python model on a wrapped ring: the chosen pages plus the pages holding
     the tokens right before/after them (not the page across the ring's seam, not an empty one), no page twice."""
-    rng = np.random.default_rng(_seed("neighbours"))
+    rng = np.random.default_rng(drawn_seed("neighbours"))
     n_pages, Pg, B, K = 7, 3, 4, 3
     start = 100 + int(rng.integers(0, 50))  # the ring wrapped: page 4 is the oldest, page 3 the newest
     cold_pos = np.full(n_pages * Pg, -1, np.int32)
@@ -284,7 +278,7 @@ def test_ties_go_to_the_more_recent_page():
 
 def test_one_compilation_per_spec_and_recall_settings_vmap():
     T = 48
-    tokens = np.random.default_rng(_seed("vmap")).integers(0, CFG.vocab_size, size=(1, T))
+    tokens = np.random.default_rng(drawn_seed("vmap")).integers(0, CFG.vocab_size, size=(1, T))
     pols = [P.rsqr(8, 2, 3, 3, recall_pages=k) for k in (0, 1, 3)] + [P.streamingllm(8, 2, recall_pages=2)]
     spec = spec_for(pols, T, cold=24)
     apply_fn, params = _model(0)
@@ -305,7 +299,7 @@ def test_a_shortlist_of_every_page_recalls_what_the_max_rule_recalls(chunk):
     gives the "max" rule's log-probabilities (its raw keys rotated at their global positions on the fly,
     against the max rule's scoring copy rotated when written)."""
     T = 90
-    tokens = np.random.default_rng(_seed("shortlist-e2e")).integers(0, CFG.vocab_size, size=(1, T))
+    tokens = np.random.default_rng(drawn_seed("shortlist-e2e")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     spec = {r: spec_for([pol], T, chunk=chunk, cold=64, score=r) for r in ("max", "shortlist", "mean")}
     assert spec["shortlist"].shortlist_pages == spec["shortlist"].cold_slots // 4  # every page
@@ -316,7 +310,7 @@ def test_a_shortlist_of_every_page_recalls_what_the_max_rule_recalls(chunk):
 
 def test_bfloat16_cache_with_recall_tracks_float32():
     T = 48
-    tokens = np.random.default_rng(_seed("bf16")).integers(0, CFG.vocab_size, size=(1, T))
+    tokens = np.random.default_rng(drawn_seed("bf16")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=T // 4)
     f32 = nll(pol, tokens, spec_for([pol], T, cold=T))
     bf16 = nll(pol, tokens, spec_for([pol], T, cold=T, dtype="bfloat16"))
@@ -351,7 +345,7 @@ def test_fact_probe_runs_every_arm_deterministically(tmp_path):
     from rsqr_jax.testing.tokenizer import ByteTokenizer
 
     text = tmp_path / "filler.txt"
-    text.write_text(" ".join(np.random.default_rng(_seed("probe")).choice(["ash", "elm", "oak", "yew"], 300)))
+    text.write_text(" ".join(np.random.default_rng(drawn_seed("probe")).choice(["ash", "elm", "oak", "yew"], 300)))
     cfg = F.FactConfig(str(text), trials=2, n_filler=60, window=16, n_sink=2, delta=4, max_survivors=4,
                        recall_pages=2, cold=rj.ColdStore(64, 4, neighbors=1), lead_max=7, prefill_chunk=8, gen_tokens=4)
     apply_fn, params = _model(0)
@@ -375,7 +369,7 @@ def test_page_summaries_match_the_stored_raw_keys(chunk):
     from rsqr_jax.testing.oracle import rope_f64
 
     T = 45
-    tokens = np.random.default_rng(_seed("summaries")).integers(0, CFG.vocab_size, size=(1, T))
+    tokens = np.random.default_rng(drawn_seed("summaries")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=1)
     spec = rj.CacheSpec.for_policies(pol, max_chunk=chunk, cold=rj.ColdStore(12, 4, "quest"), **DIMS)
     apply_fn, params = _model(0)
@@ -399,7 +393,7 @@ def test_page_summaries_match_the_stored_raw_keys(chunk):
 
 
 def test_quest_bound_matches_numpy_and_bounds_every_key():
-    rng = np.random.default_rng(_seed("quest"))
+    rng = np.random.default_rng(drawn_seed("quest"))
     B, C, Hq, Hkv, D, n_pages, Pg = 1, 2, 4, 2, 8, 5, 4
     q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
     keys = rng.normal(size=(B, Hkv, n_pages, Pg, D)).astype(np.float32)  # already rotated at their positions
@@ -486,7 +480,7 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
     bit-identical to an uninterrupted run, and the resumed session still recalls (the store is not empty)."""
     from rsqr_jax.session import Session
 
-    rng = np.random.default_rng(_seed("resume"))
+    rng = np.random.default_rng(drawn_seed("resume"))
     a, b = rng.integers(0, CFG.vocab_size, size=40), rng.integers(0, CFG.vocab_size, size=9)
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     spec = spec_for([pol], 0, chunk=4, cold=32, neighbors=1)
@@ -535,7 +529,7 @@ def test_a_session_file_holds_only_the_cold_slots_in_use(tmp_path, score):
     from rsqr_jax.session import Session
     from rsqr_jax.session_file import read_session_file
 
-    rng = np.random.default_rng(_seed("cut"))
+    rng = np.random.default_rng(drawn_seed("cut"))
     a, b = rng.integers(0, CFG.vocab_size, size=int(rng.integers(30, 60))), rng.integers(0, CFG.vocab_size, size=7)
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     spec = spec_for([pol], 0, chunk=4, cold=256, score=score)
@@ -606,7 +600,7 @@ def test_concurrent_streams_with_recall_equal_each_stream_alone(score):
     from rsqr_jax.session import Session
     from rsqr_jax.streams import Request, StreamScheduler
 
-    rng = np.random.default_rng(_seed("streams"))
+    rng = np.random.default_rng(drawn_seed("streams"))
     prompts = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (37, 22, 30)]
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     spec = spec_for([pol], 0, chunk=4, cold=32, score=score)
@@ -631,7 +625,7 @@ def test_scoring_only_the_filled_pages_gives_every_score_bit_for_bit(rule):
     prefix and a wrapped ring, at block sizes that divide the page count, do not, and exceed it."""
     from rsqr_jax.recall import live_page_scores
 
-    rng = np.random.default_rng(_seed(f"live-{rule}"))
+    rng = np.random.default_rng(drawn_seed(f"live-{rule}"))
     B, C, Hq, Hkv, D, n_pages, Pg = 2, 2, 4, 2, 8, 7, 3
     Nc = n_pages * Pg
     q = jnp.asarray(rng.normal(size=(B, C, Hq, D)), jnp.float32)
@@ -676,7 +670,7 @@ def test_skipping_an_empty_store_and_scoring_its_fill_changes_no_bit(monkeypatch
     from rsqr_jax import recall
 
     T = 96
-    tokens = np.random.default_rng(_seed(f"skip-{rule}")).integers(0, CFG.vocab_size, size=(1, T))
+    tokens = np.random.default_rng(drawn_seed(f"skip-{rule}")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     spec = spec_for([pol], T, chunk=chunk, cold=16, score=rule)
     assert spec.cold_slots // 4 % 3 and spec.cold_slots < T - 2 - 8 - 16  # blocks of 3 do not tile; it wraps
@@ -702,7 +696,7 @@ def test_skipping_recall_under_vmap_changes_no_bit(monkeypatch):
     from rsqr_jax.streams import Request, StreamScheduler
 
     T = 60
-    rng = np.random.default_rng(_seed("skip-vmap"))
+    rng = np.random.default_rng(drawn_seed("skip-vmap"))
     tokens = rng.integers(0, CFG.vocab_size, size=(1, T))
     pols = [P.rsqr(8, 2, 3, 3, recall_pages=k) for k in (0, 2)] + [P.streamingllm(8, 2, recall_pages=2)]
     spec = spec_for(pols, T, cold=24, score="max")

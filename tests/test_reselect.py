@@ -13,16 +13,10 @@ import pytest
 import rsqr_jax as rj
 from rsqr_jax import policy as P
 from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import tiny_config, tiny_model, tiny_weights
+from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model, tiny_weights
 
 CFG = tiny_config()
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
-
-
-def _seed(name: str) -> int:
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"{name}: seed {seed}")  # a failing draw is reproducible from the log
-    return seed
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +45,7 @@ def test_reselect_k_equals_the_float64_oracle_of_its_definition(k):
     """Every page recalled at a scoring step (step % k == 0); in between, the recallable tokens of the pages that
     were live then, and nothing of a page that filled later."""
     T, W, N, d, S, Pg = 60, 8, 2, 3, 3, 4
-    seed = _seed(f"reselect {k}")
+    seed = drawn_seed(f"reselect {k}")
     tokens = np.random.default_rng(seed).integers(0, CFG.vocab_size, size=T)
     probe = _spec(P.rsqr(W, N, d, S, recall_pages=1), cold=8, page=Pg, reselect=k)
     pol = P.rsqr(W, N, d, S, recall_pages=probe.cold_pages)  # every page: one token set for all layers
@@ -75,7 +69,7 @@ def test_reselect_k_equals_the_float64_oracle_of_its_definition(k):
 
 
 def test_reselect_one_is_the_plain_recall_tier_and_a_prompt_always_chooses():
-    tokens = np.random.default_rng(_seed("reselect 1")).integers(0, CFG.vocab_size, size=48)
+    tokens = np.random.default_rng(drawn_seed("reselect 1")).integers(0, CFG.vocab_size, size=48)
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     base, _ = _stream(pol, _spec(pol, cold=16, page=4, reselect=1), tokens)
     one = rj.CacheSpec.for_policies([pol], cold=rj.ColdStore(16, 4, "mean"), **DIMS)  # the field left at its default
@@ -90,7 +84,7 @@ def test_reselect_one_is_the_plain_recall_tier_and_a_prompt_always_chooses():
 def test_the_first_decode_step_after_a_prompt_chooses_then_keeps():
     """A prompt restarts the count: the decode step right after it scores the store (as reselect = 1 does), the
     next ones keep that choice."""
-    tokens = np.random.default_rng(_seed("after a prompt")).integers(0, CFG.vocab_size, size=30)
+    tokens = np.random.default_rng(drawn_seed("after a prompt")).integers(0, CFG.vocab_size, size=30)
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     apply_fn, params = _model(2)
     out = {}
@@ -124,7 +118,7 @@ def test_a_saved_session_keeps_its_page_choice(tmp_path):
 
     import jax.numpy as jnp
 
-    seed = _seed("resume")
+    seed = drawn_seed("resume")
     prompt, more = np.split(np.random.default_rng(seed).integers(0, CFG.vocab_size, size=40), [28])
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
     spec = _spec(pol, cold=16, page=4, reselect=3, chunk=4)

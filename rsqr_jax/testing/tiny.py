@@ -7,6 +7,14 @@ import numpy as np
 from rsqr_jax.models.config import ModelConfig
 
 
+def drawn_seed(name: str) -> int:
+    """A fresh random seed, printed with `name`: a test that draws its data anew each run stays reproducible
+    from its log (pytest shows the print of a failing test)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"{name}: seed {seed}")
+    return seed
+
+
 def tiny_config(arch="llama", *, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=16, vocab=97, theta=1e4):
     return ModelConfig(arch, vocab, hidden, 2 * hidden, layers, heads, kv_heads, head_dim, 1e-5, theta,
                        attention_bias=arch == "qwen2")
