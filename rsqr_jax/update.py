@@ -223,7 +223,8 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
                     max_pages=max_recall_pages if Nc else 0, neighbors=recall_neighbors,
                     shortlist=recall_shortlist if Nc else 0, page_score=page_score, live_pages=live_pages,
                     score_block=_recall.SCORE_BLOCK_PAGES, placement=placement,
-                    fixed_pos=g_C[0] - policy.window, keeps_choice=bool(cache.cold_step.shape[0]),
+                    fixed_pos=g_C[0] - policy.window,
+                    keeps_choice=reselect > 1 and bool(max_recall_pages and Nc),  # the setting (CacheSpec.reselects)
                     # choose afresh every reselect-th step and at every chunk of more than one token (a prompt: the
                     # question's own rows choose the pages its first answer token reads)
                     reselect_now=(jnp.sum(cache.cold_step) % reselect == 0) | (n_valid > 1))
