@@ -1,6 +1,6 @@
 """The policy table (rsqr_jax.studies.policy_table): in process on the tiny model (seed tests/tiny_stream.SEED)
 — every run, the checks, rescore — and on crafted NLL; one slow smoke run of `scripts/exp_policies.py
---quick --no-hf --no-bf16` on SmolLM2-135M (~1 min on 2 cores, in this process): rsqr with delta=0 is streamingllm
+--quick --tokens 256 --no-hf --no-bf16` on SmolLM2-135M (~30 s on 2 cores, in this process): rsqr with delta=0 is streamingllm
 (docs/design.md §4, equivalence 1) and dropping the attention sinks hurts; the script as its own process on bad
 input."""
 
@@ -132,17 +132,19 @@ def test_cli_bad_input_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_quick_smoke(tmp_path, smollm2_path):
-    proc = run_in_process("exp_policies.py", "--quick", "--no-hf", "--no-bf16", "--no-progress", "--json", "--out",
-                          str(tmp_path))
+    # 256 of --quick's 512 tokens: the claims below hold from the first eviction on (W=64); the 512-token
+    # full-attention figure against the HF reference is tests/test_cli.py's (eval_stream.py, the same scorer).
+    proc = run_in_process("exp_policies.py", "--quick", "--tokens", "256", "--no-hf", "--no-bf16", "--no-progress",
+                          "--json", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "exp_policies.json").read_text())
     assert json.loads(proc.stdout) == res
-    assert res["config"]["quick"] is True and res["config"]["tokens"] == 512 and res["config"]["window"] == 64
+    assert res["config"]["quick"] is True and res["config"]["tokens"] == 256 and res["config"]["window"] == 64
     assert {r["key"] for r in res["rows"]} == KEYS
     for r in res["rows"]:
-        assert r["n_scored"] == 511 and math.isfinite(r["ppl"]) and 1 < r["ppl"] < 1e4, r
+        assert r["n_scored"] == 255 and math.isfinite(r["ppl"]) and 1 < r["ppl"] < 1e4, r
         nll = np.load(tmp_path / f"nll_{r['key'].replace('/', '_')}.npy")
-        assert nll.shape == (511,) and abs(math.exp(nll.astype(np.float64).mean()) / r["ppl"] - 1) < 1e-5
+        assert nll.shape == (255,) and abs(math.exp(nll.astype(np.float64).mean()) / r["ppl"] - 1) < 1e-5
     assert "| check |" in (tmp_path / "exp_policies.md").read_text()
     by = {r["key"]: r for r in res["rows"]}
     s, z = by["streamingllm/float32"]["ppl"], by["rsqr_delta0/float32"]["ppl"]
@@ -150,5 +152,4 @@ def test_quick_smoke(tmp_path, smollm2_path):
     # Survivors change the token set, hence the perplexity: the comparison above is not vacuous.
     assert abs(by["rsqr/float32"]["ppl"] / s - 1) > 1e-3
     assert by["window/float32"]["ppl"] > 1.2 * s and res["checks"]["window_worse_than_streamingllm"]["pass"]
-    # The 512-token full-attention figure of the HF transformers reference (38.98).
-    assert abs(by["full/float32"]["ppl"] / 38.98 - 1) < 0.005
+    assert by["full/float32"]["ppl"] < s  # nothing evicted beats any eviction on this text

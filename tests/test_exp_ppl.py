@@ -1,6 +1,6 @@
 """Streaming perplexity per bucket (rsqr_jax.studies.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
 — JSON shape, per-bucket curves, plot, exact policies agreeing, interruption, rescore, merge; one slow smoke
-run of `scripts/exp_ppl.py --quick` on SmolLM2-135M (~1.5 min on 2 cores, in this process) for the sanity
+run of `scripts/exp_ppl.py --quick` on SmolLM2-135M (~50 s on 2 cores, in this process) for the sanity
 bounds; the script as its own process on bad input."""
 
 from __future__ import annotations
@@ -213,9 +213,15 @@ def test_cli_errors_are_one_line(tmp_path):
         assert_one_line_error(run_in_process("exp_ppl.py", *args), fragment)
 
 
+# The real-model smoke runs the policies its sanity bounds name (one vmapped cell of five and full); the
+# others (leave_gaps, rerotate_b8, replay) are the tiny grid's, with the same code path per cell.
+SMOKE_POLICIES = ("full", "window", "streamingllm", "rsqr", "rsqr_precompute", "rerotate")
+
+
 @pytest.mark.slow
 def test_quick_smoke(tmp_path, smollm2_path):
-    proc = run_in_process("exp_ppl.py", "--quick", "--no-progress", "--json", "--out", str(tmp_path))
+    proc = run_in_process("exp_ppl.py", "--quick", "--policies", ",".join(SMOKE_POLICIES), "--no-progress", "--json",
+                          "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "exp_ppl.json").read_text())
     assert json.loads(proc.stdout) == res
@@ -223,12 +229,12 @@ def test_quick_smoke(tmp_path, smollm2_path):
     assert cfg["quick"] is True and cfg["windows"] == [64] and cfg["dtypes"] == ["float32"]
     (cell,) = res["cells"]
     assert cell["window"] == 64 and cell["dtype"] == "float32" and cell["tokens"] == 512
-    assert set(cell["runs"]) == POLICIES
+    assert set(cell["runs"]) == set(SMOKE_POLICIES)
     runs = cell["runs"]
     for key, r in runs.items():
         assert math.isfinite(r["ppl"]) and 1 < r["ppl"] < 1e4, key
         assert len(r["curve"]) == math.ceil(r["n_scored"] / cfg["bucket"]) and r["curve"][-1]["end"] == r["n_scored"]
-    assert runs["streamingllm"]["n_scored"] == 511 and runs["replay"]["n_scored"] == cfg["replay_tokens"]["64"] - 1
+    assert runs["streamingllm"]["n_scored"] == 511
     assert (tmp_path / "exp_ppl.png").is_file() and "Per-128-token perplexity" in (tmp_path / "exp_ppl.md").read_text()
     # Attention sinks: dropping the first tokens costs a lot (StreamingLLM's observation).
     assert runs["streamingllm"]["ppl"] < runs["window"]["ppl"]
@@ -238,7 +244,7 @@ def test_quick_smoke(tmp_path, smollm2_path):
         assert runs[key]["mean_abs_dnll_vs_oracle"] < 1e-3 and abs(runs[key]["rel_dppl_vs_oracle"]) < 1e-3, key
         lo, hi = runs[key]["excess_nll_after_fill_ci95"]
         assert abs(runs[key]["excess_nll_after_fill"]) < 1e-3 and lo <= runs[key]["excess_nll_after_fill"] <= hi, key
-    # Full attention sees every token: no bounded policy does better on this text (replay scores a shorter prefix).
-    assert runs["full"]["ppl"] <= min(r["ppl"] for k, r in runs.items() if k not in ("full", "replay")) * 1.001
+    # Full attention sees every token: no bounded policy does better on this text.
+    assert runs["full"]["ppl"] <= min(r["ppl"] for k, r in runs.items() if k != "full") * 1.001
     # The 512-token full-attention figure of the HF transformers reference (38.98).
     assert abs(runs["full"]["ppl"] / 38.98 - 1) < 0.005

@@ -9,8 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -330,13 +328,9 @@ def test_bad_filler_and_question_length(study, tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # The command line.
 
-# this checkout's packages, whatever checkout the editable install points at
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
 def _run(*args):
-    """exp_recall.py in this process (tests/cli.py run_in_process: the model loaded once for both runs below;
-    the killed run between them is a real process, SIGTERM and exit code 3 included)."""
+    """exp_recall.py in this process (tests/cli.py run_in_process: the model loaded and the arms compiled once
+    for the fresh, the killed and the resumed run below)."""
     return run_in_process("exp_recall.py", *args)
 
 
@@ -351,7 +345,7 @@ def test_cli_bad_input_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_run_sigterm_and_resume(tmp_path, smollm2_path):
+def test_quick_run_sigterm_and_resume(tmp_path, smollm2_path, monkeypatch):
     """The --quick run on SmolLM2 (sanity of recall.json and the plot); a run killed by SIGTERM after its first
     arm keeps it (exit 3) and --resume finishes it with the uninterrupted run's records."""
     proc = _run("--quick", "--no-progress", "--out", str(tmp_path / "fresh"))
@@ -382,22 +376,25 @@ def test_quick_run_sigterm_and_resume(tmp_path, smollm2_path):
 
     # The kill and the resume on two pinned arms of the same run (--quick builds one spec for all of them,
     # and an arm's records do not depend on which other arms run): their cells must equal the fresh run's.
-    # Two arms suffice: the killed process finishes the first, the resume runs the second (resuming with
-    # several arms left is test_interrupted_study_keeps_finished_arms_and_resumes, on the tiny model).
+    # Two arms suffice: the killed run finishes the first, the resume runs the second (resuming with several
+    # arms left is test_interrupted_study_keeps_finished_arms_and_resumes, on the tiny model). The killed run
+    # is this process, reusing the fresh run's model and compilations: a real SIGTERM (to this process)
+    # as soon as the first arm has finished.
     out, arms = tmp_path / "killed", ["full", "streamingllm"]
     subset = ["--quick", "--no-progress", "--no-plot", "--variants", "pinned", "--arms", ",".join(arms)]
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "exp_recall.py"), *subset, "--out", str(out)],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO, env=ENV)
-    for line in proc.stderr:  # SIGTERM as soon as the first arm has finished
-        if line.startswith("  pinned"):
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=300) == 3, rest
+    run_study = er.run
+
+    def stopped_after_the_first_arm(*args, **kw):
+        return run_study(*args, after_arm=lambda *arm: os.kill(os.getpid(), signal.SIGTERM), **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(er, "run", stopped_after_the_first_arm)
+        proc = _run(*subset, "--out", str(out))
+    assert proc.returncode == 3, proc.stderr[-3000:]
     part = json.loads((out / "recall.json").read_text())
-    assert part["complete"] is False and part["arms_done"] == [["pinned", "float32", "full"]], rest
+    assert part["complete"] is False and part["arms_done"] == [["pinned", "float32", "full"]], proc.stderr
     assert {r["arm"] for r in part["records"]} == {"full"}  # the half-run arm left nothing behind
-    assert "--resume" in rest
+    assert "--resume" in proc.stderr
     resumed = _run(*subset, "--out", str(out), "--resume", "--json")
     assert resumed.returncode == 0 and "1 arm(s) done" in resumed.stderr, resumed.stderr[-3000:]
     got = json.loads(resumed.stdout)

@@ -137,20 +137,27 @@ def offline_nltk():
         nltk.download = saved
 
 
-def load_tasks(spec: RulerSpec, tokenizer_dir: str) -> dict:
+def task_manager(spec: RulerSpec, tokenizer_dir: str):
+    """lm-eval's TaskManager over its RULER folder only: indexing all of lm-eval's tasks takes ~8 s, and
+    simple_evaluate builds such an index on every call unless it is handed one."""
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    folder = os.path.join(os.path.dirname(lm_eval.tasks.__file__), "ruler")
+    return TaskManager(include_path=folder, include_defaults=False,
+                       metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": [spec.seq_len]})
+
+
+def load_tasks(spec: RulerSpec, tokenizer_dir: str, manager=None) -> dict:
     """{task name: lm-eval Task} with samples generated at spec.seq_len by the tokenizer in tokenizer_dir,
     under spec.seed (Python's and NumPy's global generators: RULER's generators draw from them)."""
     try:
         import wonderwords  # noqa: F401  (lm-eval's RULER generators import it)
     except ModuleNotFoundError:
         raise ConfigError("RULER's generators need the wonderwords package: pip install wonderwords") from None
-    import lm_eval.tasks
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
 
-    # lm-eval's RULER folder only (indexing all of lm-eval's tasks takes seconds; these are all in it)
-    folder = os.path.join(os.path.dirname(lm_eval.tasks.__file__), "ruler")
-    manager = TaskManager(include_path=folder, include_defaults=False,
-                          metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": [spec.seq_len]})
+    manager = manager or task_manager(spec, tokenizer_dir)
     random.seed(spec.seed)
     np.random.seed(spec.seed)
     with offline_nltk():
@@ -224,7 +231,8 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
     from rsqr_jax.eval.lm_eval_model import RsqrLM
 
     os.makedirs(cache_dir, exist_ok=True)
-    tasks = load_tasks(spec, tokenizer_dir)
+    manager = task_manager(spec, tokenizer_dir)
+    tasks = load_tasks(spec, tokenizer_dir, manager)
     log(f"RULER: {len(tasks)} tasks x {len(spec.policies)} policies at {spec.seq_len} tokens, "
         f"rounds {list(spec.limits)}, seed {spec.seed}")
     answered = {p: 0 for p in spec.policies}
@@ -257,7 +265,7 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
                 lms[p] = lm
             t0 = time.perf_counter()
             lm_eval.simple_evaluate(model=lms[p], tasks=list(tasks.values()), limit=limit,
-                                    use_cache=spec.cache_path(cache_dir, p), random_seed=spec.seed,
+                                    use_cache=spec.cache_path(cache_dir, p), task_manager=manager, random_seed=spec.seed,
                                     numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
                                     fewshot_random_seed=spec.seed)
             seconds[p] += time.perf_counter() - t0
