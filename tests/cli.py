@@ -16,9 +16,21 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
+def xla_env() -> dict:
+    """This process's XLA optimization setting (tests/conftest.py _xla_optimizations) for a child process: a
+    script run for a tiny-model test compiles as the test does, one run for a real-model test at the defaults."""
+    import jax
+
+    return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1" if jax.config.read("jax_disable_most_optimizations") else "0"}
+
+
+def script_env() -> dict:
+    return {**ENV, **xla_env()}
+
+
 def run_script(script: str, *args: str, stdin: str | None = None, timeout: int = 600, **kw) -> subprocess.CompletedProcess:
     """`python scripts/<script> args...` from the repository root, output captured as text."""
-    kw.setdefault("env", ENV)
+    kw.setdefault("env", script_env())
     return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, cwd=REPO, **kw)
 
@@ -31,7 +43,7 @@ def run_scripts(cases, timeout: int = 600) -> list[subprocess.CompletedProcess]:
     run_script case per script so the real process (interpreter exit code, a fresh import) stays tested."""
     cases = [(c[0], list(c[1]), c[2] if len(c) > 2 else None) for c in cases]
     payload = json.dumps([{"path": str(REPO / "scripts" / s), "args": a, "stdin": i} for s, a, i in cases])
-    env = ENV
+    env = script_env()
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "results.json"
         proc = subprocess.run([sys.executable, "-m", "tests.script_driver", str(result_file)], input=payload,

@@ -29,6 +29,10 @@ if os.environ.get("RSQR_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CA
 from tests import hf_fixtures  # noqa: E402  (pytest puts the repo root first: pythonpath ["."])
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xla_optimized: compile at XLA's default optimizations (tests/conftest.py _xla_optimizations)")
+
+
 def pytest_unconfigure(config):
     if _COMPILE_CACHE is not None:
         shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
@@ -43,6 +47,30 @@ def _release_compiled_executables():
     import jax
 
     jax.clear_caches()
+
+
+# XLA optimizations per test. The tiny-model tests spend most of their time compiling programs that run for
+# milliseconds, and LLVM's optimization work is a fifth of that (measured: the six core test files 133 -> 105 s
+# on 2 cores with jax_disable_most_optimizations); the real model's programs run long enough that skipping it
+# makes them ~3x slower. So tests that use the real model (they request smollm2_path), and those marked
+# xla_optimized (a claim that two different programs give the same bits, or a tiny-model run long enough for
+# the optimizations to pay) compile at XLA's defaults - the compiled code users run - and every other test compiles with jax_disable_most_optimizations (the same
+# operations, less optimized machine code); script subprocesses follow the test's setting (tests/cli.py).
+# RSQR_TEST_XLA_FAST=0 compiles every test at the defaults.
+_XLA_FAST = os.environ.get("RSQR_TEST_XLA_FAST", "1") != "0"
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimizations(request):
+    import jax
+
+    optimized = (not _XLA_FAST or "smollm2_path" in request.fixturenames
+                 or request.node.get_closest_marker("xla_optimized") is not None)
+    if optimized == jax.config.read("jax_disable_most_optimizations"):
+        if optimized:  # the jit caches would hand back programs compiled without optimizations
+            jax.clear_caches()
+        jax.config.update("jax_disable_most_optimizations", not optimized)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ every mode token by token through rsqr_jax.sweep)."""
 from __future__ import annotations
 
 import chex
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +95,7 @@ SWEEP = [P.rsqr(6, 2, 2, 2, block=2), P.rerotate(6, 2, 2, 2, block=2), P.replay(
          P.leave_gaps(6, 2, 2, 2, block=2), P.streamingllm(6, 2)]
 
 
+@pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
 def test_vmapped_policy_equals_the_policy_alone():
     apply_fn, params = model()
     tokens = np.random.default_rng(DATA_SEED).integers(0, CFG.vocab_size, size=(2, 30))

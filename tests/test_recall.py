@@ -618,6 +618,7 @@ def test_concurrent_streams_with_recall_equal_each_stream_alone(score):
     assert len({tuple(a) for a in alone}) == 3  # sampled (temperature 8), distinct continuations
 
 
+@pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
 @pytest.mark.parametrize("rule", ["mean", "quest", "max"])
 def test_scoring_only_the_filled_pages_gives_every_score_bit_for_bit(rule):
     """live_page_scores (blocks of pages over the first live_pages pages, the last block moved back to end at
@@ -662,6 +663,7 @@ def _logits_token_by_token(apply_fn, params, spec, pol, tokens, chunk):
 
 @pytest.mark.parametrize("rule,chunk", [("max", 1), ("mean", 1), ("quest", 1), ("shortlist", 1), ("max", 4),
                                         ("shortlist", 4)])
+@pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
 def test_skipping_an_empty_store_and_scoring_its_fill_changes_no_bit(monkeypatch, rule, chunk):
     """The recall tier as it runs (nothing scored, gathered or attended while nothing is recallable; only the
     filled blocks scored while the ring fills) against every page scored at every step (score_block 0): the
@@ -687,6 +689,7 @@ def test_skipping_an_empty_store_and_scoring_its_fill_changes_no_bit(monkeypatch
     assert np.abs(got[0] - alone).max() > 1e-3  # recall changed the stream later: the check is not vacuous
 
 
+@pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
 def test_skipping_recall_under_vmap_changes_no_bit(monkeypatch):
     """Under vmap the skip (a lax.cond on "anything recallable") becomes a select that runs both branches: a
     sweep of policies that recall and do not (recall_pages 0 skips at every step) gives what every page scored

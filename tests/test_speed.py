@@ -46,6 +46,7 @@ BITS_POLICIES = [P.rsqr(6, 2, 2, 3, block=2), P.rerotate(6, 2, 2, 3, block=2), P
                  P.streamingllm(6, 2)]
 
 
+@pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
 def test_bfloat16_bits_path_is_bit_identical(monkeypatch):
     """Every write path (new K/V, rerotate hops, precompute refresh, streamingllm) under one vmapped batch."""
     apply_fn, params = _model()

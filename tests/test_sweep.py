@@ -22,7 +22,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
 from rsqr_jax.sweep import policy_grid, summarize, sweep_nll
 from rsqr_jax.testing.tiny import tiny_config, tiny_weights
-from tests.cli import assert_one_line_error, run_in_process, run_scripts
+from tests.cli import assert_one_line_error, run_in_process, run_scripts, xla_env
 
 CFG = tiny_config()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +116,7 @@ def test_sharded_sweep_over_4_devices_equals_unsharded(tmp_path):
     experiment = {k: v for k, v in dataclasses.asdict(config).items() if k != "devices"}
     code = _CHILD.format(tokens=str(tmp_path / "tokens.npy"), grid=GRID, segment=SEGMENT, out=str(out),
                          experiment=experiment)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", **xla_env())
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -177,7 +177,7 @@ SCRIPT_ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 def _cli(*args, timeout=600):
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "exp_sweep.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=SCRIPT_ENV)
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**SCRIPT_ENV, **xla_env()})
 
 
 SWEEP_FLAGS = [
@@ -354,7 +354,7 @@ def test_bench_sweep_cli_quick_writes_json_in_out_dir(tmp_path):
 
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_sweep.py"), "--quick", "--tokens",
                            "40", "--segment", "16", "--out", str(tmp_path), "--json", "--no-progress"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=SCRIPT_ENV)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env={**SCRIPT_ENV, **xla_env()})
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc == json.loads((tmp_path / BX.JSON_NAME).read_text())
