@@ -167,29 +167,10 @@ def write_qwen3_gguf(hf_model, spec: FamilySpec, path: str | os.PathLike, slidin
     rows not permuted, the per-head norms as attn_q_norm / attn_k_norm). Token list: placeholders <t{i}>.
     sliding_window: also write <arch>.attention.sliding_window; arch: the architecture the file names (another
     one only for tests of the loader's metadata)."""
-    import gguf
+    from tests.hf_fixtures import gguf_writer
 
     assert spec.arch == "qwen3"
-    w = gguf.GGUFWriter(os.fspath(path), arch)
-    w.add_block_count(spec.num_layers)
-    w.add_context_length(spec.max_position_embeddings)
-    w.add_embedding_length(spec.hidden_size)
-    w.add_feed_forward_length(spec.intermediate_size)
-    w.add_head_count(spec.num_heads)
-    w.add_head_count_kv(spec.num_kv_heads)
-    w.add_key_length(spec.head_dim)
-    w.add_value_length(spec.head_dim)
-    w.add_rope_dimension_count(spec.head_dim)
-    w.add_rope_freq_base(spec.rope_theta)
-    w.add_layer_norm_rms_eps(1e-5)
-    if sliding_window is not None:
-        w.add_sliding_window(sliding_window)
-    w.add_tokenizer_model("gpt2")
-    tokens = [f"<t{i}>" for i in range(spec.vocab_size)]
-    tokens[0], tokens[1], tokens[2] = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-    w.add_token_list(tokens)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w = gguf_writer(path, arch, spec, 1e-5, sliding_window)
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf_model.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     names = [("input_layernorm.weight", "attn_norm.weight"), ("self_attn.q_proj.weight", "attn_q.weight"),

@@ -136,15 +136,12 @@ def hf_logits(model_or_dir, token_ids) -> np.ndarray:
     return out.to(torch.float32).numpy()
 
 
-def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
-    """Write an HF tiny model as an F32 GGUF the way llama.cpp's convert_hf_to_gguf does: GGUF tensor names,
-    q/k rows permuted to the interleaved layout for `llama` (not for `qwen2`), llama3 scaling as a
-    `rope_freqs` tensor of per-frequency divisors. Token list: placeholder strings <t{i}>."""
-    import math
-
+def gguf_writer(path: str | os.PathLike, arch: str, spec, rms_norm_eps: float, sliding_window: int | None = None):
+    """A GGUFWriter holding the hyperparameters of a tiny spec (TinySpec or family_fixtures.FamilySpec: the
+    same field names) and the placeholder token list <t{i}> with the chat specials at ids 0-2, as every
+    tiny GGUF of the tests has them; the caller adds what its architecture needs, then the tensors."""
     import gguf
 
-    arch = spec.arch
     w = gguf.GGUFWriter(os.fspath(path), arch)
     w.add_block_count(spec.num_layers)
     w.add_context_length(spec.max_position_embeddings)
@@ -156,13 +153,28 @@ def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
     w.add_value_length(spec.head_dim)
     w.add_rope_dimension_count(spec.head_dim)
     w.add_rope_freq_base(spec.rope_theta)
-    w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    w.add_layer_norm_rms_eps(rms_norm_eps)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     w.add_tokenizer_model("gpt2")
     tokens = [f"<t{i}>" for i in range(spec.vocab_size)]
     tokens[0], tokens[1], tokens[2] = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
     w.add_token_list(tokens)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    return w
+
+
+def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
+    """Write an HF tiny model as an F32 GGUF the way llama.cpp's convert_hf_to_gguf does: GGUF tensor names,
+    q/k rows permuted to the interleaved layout for `llama` (not for `qwen2`), llama3 scaling as a
+    `rope_freqs` tensor of per-frequency divisors. Token list: placeholder strings <t{i}>."""
+    import math
+
+    import gguf
+
+    arch = spec.arch
+    w = gguf_writer(path, arch, spec, spec.rms_norm_eps)
 
     def permute(x: np.ndarray, n_head: int) -> np.ndarray:  # convert_hf_to_gguf LlamaModel.permute
         return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
