@@ -25,6 +25,7 @@ def xla_env() -> dict:
 
 
 def script_env() -> dict:
+    """The environment of a script's process: this checkout's packages and this test's XLA setting."""
     return {**ENV, **xla_env()}
 
 

@@ -30,7 +30,7 @@ from tests import hf_fixtures  # noqa: E402  (pytest puts the repo root first: p
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "xla_optimized: compile at XLA's default optimizations (tests/conftest.py _xla_optimizations)")
+    config.addinivalue_line("markers", "xla_optimized: compile at XLA's default optimizations (_xla_optimizations)")
 
 
 def pytest_unconfigure(config):
@@ -54,9 +54,10 @@ def _release_compiled_executables():
 # on 2 cores with jax_disable_most_optimizations); the real model's programs run long enough that skipping it
 # makes them ~3x slower. So tests that use the real model (they request smollm2_path), and those marked
 # xla_optimized (a claim that two different programs give the same bits, or a tiny-model run long enough for
-# the optimizations to pay) compile at XLA's defaults - the compiled code users run - and every other test compiles with jax_disable_most_optimizations (the same
-# operations, less optimized machine code); script subprocesses follow the test's setting (tests/cli.py).
-# RSQR_TEST_XLA_FAST=0 compiles every test at the defaults.
+# the optimizations to pay) compile at XLA's defaults - the compiled code users run - and every other test
+# compiles with jax_disable_most_optimizations (the same operations, less optimized machine code); script
+# subprocesses follow the test's setting (tests/cli.py xla_env). RSQR_TEST_XLA_FAST=0 compiles every test at
+# the defaults.
 _XLA_FAST = os.environ.get("RSQR_TEST_XLA_FAST", "1") != "0"
 
 
