@@ -24,6 +24,13 @@ FULL, WINDOW, STREAMINGLLM, LEAVE_GAPS, REROTATE, REPLAY, RSQR, RSQR_PRECOMPUTE 
 # "Keeps everything": a window no stream reaches (int32-safe even after adding a block).
 UNBOUNDED = 1 << 30
 
+# The library's policy defaults, the one set: make_policy, the constructors below and every command's policy
+# flags (rsqr_jax.cli.args reads this literal from the source, so that building a parser imports no jax: keep
+# it one dict of literals).
+DEFAULTS = {"window": 256, "n_sink": 4, "delta": 8, "max_survivors": 64, "block": 1, "overflow": "fifo",
+            "recall_pages": 0}
+_D = DEFAULTS
+
 
 @dataclasses.dataclass(frozen=True)
 class ModeTraits:
@@ -118,19 +125,38 @@ class Policy:
         """Field values as Python ints (single policy) or lists (batched)."""
         return {f.name: np.asarray(getattr(self, f.name)).tolist() for f in dataclasses.fields(self)}
 
+    def settings(self) -> dict:
+        """The make_policy arguments of a single policy: mode and overflow by name, the other fields as ints."""
+        h = self.host()
+        if isinstance(h["mode"], list):
+            raise PolicyError("settings() needs a single policy, not a batch (unstack_policies first)")
+        return {**h, "mode": MODES[h["mode"]], "overflow": OVERFLOWS[h["overflow"]]}
+
+    def replace(self, **fields) -> "Policy":
+        """This policy with `fields` changed (mode and overflow by name), rebuilt and checked by make_policy:
+        a derived policy is validated like any other, and full / window / streamingllm force what their name
+        implies."""
+        kw = self.settings()
+        unknown = sorted(set(fields) - set(kw))
+        if unknown:
+            raise PolicyError(f"unknown policy field {unknown[0]!r}: choose from {', '.join(kw)}")
+        kw.update(fields)
+        return make_policy(kw.pop("mode"), **kw)
+
 
 def make_policy(
     mode: str,
     *,
-    window: int = 256,
-    n_sink: int = 4,
-    delta: int = 8,
-    max_survivors: int = 256,
-    block: int = 1,
-    overflow: str = "fifo",
-    recall_pages: int = 0,
+    window: int = _D["window"],
+    n_sink: int = _D["n_sink"],
+    delta: int = _D["delta"],
+    max_survivors: int = _D["max_survivors"],
+    block: int = _D["block"],
+    overflow: str = _D["overflow"],
+    recall_pages: int = _D["recall_pages"],
 ) -> Policy:
-    """Build and check one policy. full/window/streamingllm force the parameters their name implies.
+    """Build and check one policy (defaults: DEFAULTS). full/window/streamingllm force the parameters their name
+    implies.
 
     full: keeps everything (no eviction). window: last W tokens, no sinks, no survivors.
     streamingllm: sinks + window (delta = 0). The others use every parameter as given.
@@ -180,35 +206,41 @@ def full() -> Policy:
     return make_policy("full")
 
 
-def window(window: int = 256, *, block: int = 1) -> Policy:
+def window(window: int = _D["window"], *, block: int = _D["block"]) -> Policy:
     return make_policy("window", window=window, block=block)
 
 
-def streamingllm(window: int = 256, n_sink: int = 4, *, block: int = 1, recall_pages: int = 0) -> Policy:
+def streamingllm(window: int = _D["window"], n_sink: int = _D["n_sink"], *, block: int = _D["block"],
+                 recall_pages: int = 0) -> Policy:
     return make_policy("streamingllm", window=window, n_sink=n_sink, block=block, recall_pages=recall_pages)
 
 
-def leave_gaps(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+def leave_gaps(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+               block=_D["block"], overflow=_D["overflow"]) -> Policy:
     return make_policy("leave_gaps", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow)
 
 
-def rerotate(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+def rerotate(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+             block=_D["block"], overflow=_D["overflow"]) -> Policy:
     return make_policy("rerotate", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow)
 
 
-def replay(window=256, n_sink=4, delta=8, max_survivors=256, block=8, overflow="fifo") -> Policy:
+def replay(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+           block=_D["block"], overflow=_D["overflow"]) -> Policy:
     return make_policy("replay", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow)
 
 
-def rsqr(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo", recall_pages=0) -> Policy:
+def rsqr(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+         block=_D["block"], overflow=_D["overflow"], recall_pages=0) -> Policy:
     return make_policy("rsqr", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow, recall_pages=recall_pages)
 
 
-def rsqr_precompute(window=256, n_sink=4, delta=8, max_survivors=256, block=1, overflow="fifo") -> Policy:
+def rsqr_precompute(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+                    block=_D["block"], overflow=_D["overflow"]) -> Policy:
     return make_policy("rsqr_precompute", window=window, n_sink=n_sink, delta=delta,
                        max_survivors=max_survivors, block=block, overflow=overflow)
 

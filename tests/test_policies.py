@@ -345,3 +345,32 @@ def test_validation_rejects_impossible_policies():
         validate(P.rsqr(window=4, n_sink=0, delta=0), CacheSpec(1, 1, 1, 2, 8, 0, max_chunk=8), chunk=8)
     with pytest.raises(P.PolicyError, match="precompute"):
         validate(P.rsqr_precompute(window=4, n_sink=0, delta=0), CacheSpec(1, 1, 1, 2, 8, 0))
+
+
+def test_one_set_of_defaults_and_derived_policies_are_checked():
+    """Every constructor and make_policy take the library's defaults (DEFAULTS, the command lines' too);
+    Policy.replace rebuilds through make_policy, so a derived policy is validated and a named mode forces what
+    its name implies."""
+    d = P.DEFAULTS
+    assert (d["window"], d["n_sink"], d["delta"], d["max_survivors"], d["block"], d["overflow"]) == \
+        (256, 4, 8, 64, 1, "fifo")
+    want = dict(window=256, n_sink=4, delta=8, max_survivors=64, block=1, overflow="fifo", recall_pages=0)
+    for mode, ctor in [("leave_gaps", P.leave_gaps), ("rerotate", P.rerotate), ("replay", P.replay),
+                       ("rsqr", P.rsqr), ("rsqr_precompute", P.rsqr_precompute)]:
+        assert ctor().settings() == P.make_policy(mode).settings() == {"mode": mode, **want}, mode
+    assert P.streamingllm().settings() == {"mode": "streamingllm", **want, "delta": 0, "max_survivors": 0}
+    assert P.window().settings()["window"] == 256
+    base = P.rsqr(32, 2, 4, 8)
+    assert base.replace(window=64).name == "rsqr(W=64, N=2, delta=4, S=8, fifo)"
+    assert base.replace(mode="rerotate", block=4).name == "rerotate(W=32, N=2, delta=4, S=8, fifo, b=4)"
+    assert base.replace(mode="streamingllm").name == "streamingllm(W=32, N=2)"  # delta forced to 0
+    assert base.replace(delta=0).host() == P.rsqr(32, 2, 0).host()  # no survivors: no cap either
+    assert base.replace(recall_pages=2).name == "rsqr(W=32, N=2, delta=4, S=8, fifo, recall=2)"
+    assert base.host() == P.rsqr(32, 2, 4, 8).host()  # the base is unchanged
+    for fields, fragment in [(dict(window=0), "window must be >= 1"), (dict(mode="lru"), "unknown policy"),
+                             (dict(mode="rerotate", recall_pages=2), "cannot recall"),
+                             (dict(windw=8), "unknown policy field 'windw'")]:
+        with pytest.raises(P.PolicyError, match=fragment):
+            base.replace(**fields)
+    with pytest.raises(P.PolicyError, match="single policy"):
+        P.stack_policies([base, base]).replace(window=8)

@@ -131,7 +131,7 @@ def test_policy_grid_product_dedup_and_names():
     pols, names = policy_grid("mode=rsqr,streamingllm,window,full window=128,256 delta=4,8,16")
     # rsqr: 2 x 3; streamingllm and window ignore delta: 2 each; full: 1.
     assert len(names) == 6 + 2 + 2 + 1 == len(set(names)) == P.policy_size(pols)
-    assert names[0] == P.rsqr(128, 4, 4, 256).name and names[-1] == "full"
+    assert names[0] == P.rsqr(128, 4, 4).name == "rsqr(W=128, N=4, delta=4, S=64, fifo)" and names[-1] == "full"
     assert "streamingllm(W=256, N=4)" in names and "window(W=128)" in names
     d_pols, d_names = policy_grid({"mode": ["rsqr", "streamingllm", "window", "full"], "window": [128, 256],
                                    "delta": [4, 8, 16]})
