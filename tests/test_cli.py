@@ -152,3 +152,36 @@ def test_given_flags_are_the_flags_on_the_command_line_and_the_defaults_survive(
     assert given_flags(parser, []) == set()
     assert vars(parser.parse_args([])) == before  # the markers are gone again
     assert parser.parse_args(argv).stop == [".", "!"]
+
+
+def test_policy_flags_take_the_library_defaults_and_a_subset_builds_the_same_policy():
+    """The policy flags' defaults are rsqr_jax.policy.DEFAULTS (read without importing jax) and --help shows
+    them; a command that takes a subset of the flags (or leaves one None) gets the library's value for the
+    rest, and policy_from_args sets keywords over the flags."""
+    import subprocess
+    import sys
+
+    from rsqr_jax import policy as P
+    from rsqr_jax.cli.args import Parser, add_policy_args, policy_defaults, policy_from_args
+
+    assert policy_defaults() == P.DEFAULTS
+    code = ("import sys; from rsqr_jax.cli.args import Parser, add_policy_args; p = Parser(); add_policy_args(p); "
+            "p.parse_args([]); p.format_help(); print('jax' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO / "scripts", capture_output=True, text=True, check=True)
+    assert proc.stdout.split() == ["False"]
+    full = Parser()
+    add_policy_args(full)
+    assert P.make_policy("rsqr").host() == policy_from_args(full.parse_args([])).host()
+    help_text = " ".join(full.format_help().split())
+    for flag, key in (("window", "window"), ("sinks", "n_sink"), ("max-survivors", "max_survivors")):
+        assert f"--{flag} {flag.upper().replace('-', '_')} " in help_text and f"(default: {P.DEFAULTS[key]})" in help_text
+    some = Parser()
+    add_policy_args(some, flags=("sinks", "max_survivors"), recall=False, max_survivors=16)
+    args = some.parse_args(["--sinks", "2"])
+    assert not hasattr(args, "window") and not hasattr(args, "recall_pages") and args.max_survivors == 16
+    pol = policy_from_args(args, window=32, mode="rerotate")
+    assert pol.host() == P.rerotate(32, 2, P.DEFAULTS["delta"], 16).host()
+    args.max_survivors = None  # a flag left None: the library's value
+    assert policy_from_args(args).host() == P.rsqr(n_sink=2).host()
+    with pytest.raises(TypeError, match="no policy flag 'cap'"):
+        add_policy_args(Parser(), cap=3)

@@ -5,6 +5,8 @@ traceback). Importing it imports no jax, so flags fail fast."""
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import os
 import sys
 from pathlib import Path
@@ -45,20 +47,46 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr",
-                    recall_by_default: bool = False) -> None:
-    """The policy flags; recall_by_default: --recall-pages defaults to None, which
-    resolve_recall_default turns into the chat default (recall on under rsqr)."""
+# The policy flags: each flag's destination and the make_policy keyword it sets; their help.
+POLICY_FLAGS = {"window": "window", "sinks": "n_sink", "delta": "delta", "max_survivors": "max_survivors",
+                "block": "block", "overflow": "overflow"}
+_POLICY_HELP = {"window": "window W (keeps W..W+block-1 recent tokens)", "sinks": "attention sinks N",
+                "delta": "survivor stride (0 = no survivors)", "max_survivors": "cap on non-sink survivors",
+                "block": "eviction block size", "overflow": "fifo or decimate"}
+
+
+@functools.cache
+def policy_defaults() -> dict:
+    """The library's policy defaults (rsqr_jax.policy.DEFAULTS), read from that module's source, so that the
+    flags show them without importing jax."""
+    tree = ast.parse((Path(__file__).resolve().parent.parent / "policy.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise RuntimeError("rsqr_jax/policy.py defines no DEFAULTS")
+
+
+def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr", recall_by_default: bool = False,
+                    flags: tuple[str, ...] = ("policy", *POLICY_FLAGS), recall: bool = True, **defaults) -> None:
+    """The policy flags, with the library's defaults (policy_defaults()) unless `defaults` gives a command's
+    own by flag (window=512; None: the command resolves it, its help says how). flags: the ones to add (a
+    study that sets the others itself takes a subset; policy_from_args fills them in). recall: also the recall
+    tier's flags; recall_by_default: --recall-pages defaults to None, which resolve_recall_default turns into
+    the chat default (recall on under rsqr)."""
+    unknown = set(defaults) - set(POLICY_FLAGS)
+    if unknown:
+        raise TypeError(f"add_policy_args: no policy flag {sorted(unknown)[0]!r}")
+    lib = policy_defaults()
     g = p.add_argument_group("policy")
-    g.add_argument("--policy", default=default_policy,
-                   help="full, window, streamingllm, leave_gaps, rerotate, replay, rsqr, rsqr_precompute")
-    g.add_argument("--window", type=int, default=256, help="window W (keeps W..W+block-1 recent tokens)")
-    g.add_argument("--sinks", type=int, default=4, help="attention sinks N")
-    g.add_argument("--delta", type=int, default=8, help="survivor stride (0 = no survivors)")
-    g.add_argument("--max-survivors", type=int, default=64, help="cap on non-sink survivors")
-    g.add_argument("--block", type=int, default=1, help="eviction block size")
-    g.add_argument("--overflow", default="fifo", help="fifo or decimate")
-    add_recall_args(p, default_pages=None if recall_by_default else 0)
+    if "policy" in flags:
+        g.add_argument("--policy", default=default_policy,
+                       help="full, window, streamingllm, leave_gaps, rerotate, replay, rsqr, rsqr_precompute")
+    for dest, key in POLICY_FLAGS.items():
+        if dest in flags:
+            g.add_argument("--" + dest.replace("_", "-"), type=None if dest == "overflow" else int,
+                           default=defaults.get(dest, lib[key]), help=_POLICY_HELP[dest])
+    if recall:
+        add_recall_args(p, default_pages=None if recall_by_default else 0)
 
 
 def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0, what: str = "",
@@ -114,12 +142,15 @@ def resolve_recall_default(args) -> None:
         args.reselect = DEFAULT_RESELECT
 
 
-def policy_from_args(args):
+def policy_from_args(args, **fields):
+    """The Policy of the policy flags in `args` (one a command does not take, or leaves None: the library's
+    default), with `fields` (make_policy keywords, mode included) set over them."""
     from rsqr_jax.policy import make_policy
 
-    return make_policy(args.policy, window=args.window, n_sink=args.sinks, delta=args.delta,
-                       max_survivors=args.max_survivors, block=args.block, overflow=args.overflow,
-                       recall_pages=getattr(args, "recall_pages", 0))
+    kw = {key: getattr(args, dest) for dest, key in POLICY_FLAGS.items() if getattr(args, dest, None) is not None}
+    kw["recall_pages"] = getattr(args, "recall_pages", 0)
+    mode = fields.pop("mode", getattr(args, "policy", "rsqr"))
+    return make_policy(mode, **{**kw, **fields})
 
 
 def cold_store_flags(args):
