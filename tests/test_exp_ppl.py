@@ -133,7 +133,9 @@ def test_merge_adds_a_separately_run_cell(tiny, tmp_path):
     dst, src, other = tmp_path / "dst", tmp_path / "src", tmp_path / "other"
     for d in (dst, src, other):
         shutil.copytree(out, d)
-    relabel(src, 24)
+    text = Path(json.loads((out / "exp_ppl.json").read_text())["config"]["text"])
+    (tmp_path / "link.txt").symlink_to(text)  # SRC names the same text by another path: still one text
+    relabel(src, 24, text=str(tmp_path / "link.txt"))
     relabel(other, 32, sinks=3)
     wall = result.data["total_wall_s"]
     full_wall = next(t["wall_s"] for t in result.data["timings"] if t["label"] == "full float32")

@@ -291,6 +291,30 @@ def test_resume_needs_a_resumable_run(study, tmp_path):
         er.preflight(cfg, tmp_path, resume=True)
 
 
+def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch):
+    """A result names a file of the repository by its repository path, whatever the working directory it was
+    run from; resuming from another directory (the file named by another relative path), or from a result
+    that holds the older absolute name, finds the same file; another file refuses."""
+    from rsqr_jax import data
+
+    repo = Path(er.__file__).resolve().parents[2]
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(repo)
+    cfg = er.make_config(os.path.relpath(data.GPL3, repo), quick=True, trials=3)
+    fingerprint = cfg.fingerprint()
+    assert fingerprint["filler"] == "rsqr_jax/data/licenses/GPL-3"
+    monkeypatch.chdir(repo / "scripts")
+    here = er.make_config(os.path.relpath(data.GPL3, repo / "scripts"), quick=True, trials=3)
+    for name in (fingerprint["filler"], str(data.GPL3)):  # this form, and the absolute one of older results
+        (out / "recall.json").write_text(json.dumps({"complete": False, "arms_done": [],
+                                                     "fingerprint": {**fingerprint, "filler": name}}))
+        assert er.preflight(here, out, resume=True)["fingerprint"]["filler"] == name
+    other = er.make_config(os.path.relpath(data.FRANKENSTEIN, repo / "scripts"), quick=True, trials=3)
+    with pytest.raises(ConfigError, match="was run with filler='.*GPL-3', this run has 'rsqr_jax/data/frankenstein.txt'"):
+        er.preflight(other, out, resume=True)
+
+
 @pytest.mark.parametrize("opts,fragment", [
     ({"cycles": "2,x"}, "--cycles must be a comma-separated list"),
     ({"cycles": "0"}, "--cycles needs positive integers"),

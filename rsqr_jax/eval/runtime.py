@@ -108,6 +108,38 @@ def read_tokens(tokenizer, path: str | os.PathLike, n: int, *, add_special_token
 
 
 # ----------------------------------------------------------------------------------------------------
+# Input files named in results.
+
+# The directory that holds the package: a checkout's root (it has pyproject.toml), or site-packages.
+_TOP = Path(data.__file__).resolve().parent.parent.parent
+
+
+def portable_path(path: str | os.PathLike) -> str:
+    """How a result names an input file: by its path in the repository when it lies in the checkout (in an
+    installed package, the package's own data: rsqr_jax/data/...), so that a result reads the same from any
+    working directory and machine; any other file by its absolute path."""
+    real = Path(path).resolve()
+    inside = _TOP if (_TOP / "pyproject.toml").is_file() else _TOP / "rsqr_jax"
+    return real.relative_to(_TOP).as_posix() if real.is_relative_to(inside) else os.path.abspath(path)
+
+
+def recorded_file(name: str) -> Path:
+    """The file a result names (portable_path's form, or the absolute path older results hold), resolved."""
+    named = Path(name)
+    if not named.is_absolute() and (_TOP / named).exists():
+        named = _TOP / named
+    return named.resolve()
+
+
+def same_input(recorded: str | None, path: str | os.PathLike | None) -> bool:
+    """Whether a result's recorded input file is the file `path` (compared as resolved real paths, so a result
+    written from another working directory, or with an older absolute name, matches); None matches None only."""
+    if recorded is None or path is None:
+        return recorded is None and path is None
+    return recorded_file(recorded) == Path(path).resolve()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Timing, files, interruption.
 
 

@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from rsqr_jax.eval.runtime import ConfigError, check_stream_shape, progress, read_tokens, status, write_json_atomic
+from rsqr_jax.eval.runtime import (ConfigError, check_stream_shape, portable_path, progress, read_tokens, status,
+                                   write_json_atomic)
 from rsqr_jax.spec import ColdStore
 
 DEFAULT_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=128,256 delta=4,8,16"
@@ -332,7 +333,7 @@ def run(config: SweepConfig, apply_fn, params, model_config, tokenizer=None, *, 
                  recall_pages=h["recall_pages"],
                  cache_kib=own.bytes_by_part(pol)["total"] / 1024)
     n_scored = int(nll_PxBxT.shape[-1])
-    meta = {"task": config.task, "grid": config.grid, "text": os.path.abspath(config.text) if config.text else None,
+    meta = {"task": config.task, "grid": config.grid, "text": portable_path(config.text) if config.text else None,
             "seed": config.seed, "n_tokens": config.tokens, "n_scored": n_scored, "dtype": config.dtype,
             "chunk": config.chunk, "segment": config.segment, "bucket": config.bucket, "n_policies": n_pol,
             "devices": n_dev, "processes": jax.process_count(), "backend": jax.default_backend(), "model": model_name, "elapsed_s": elapsed,

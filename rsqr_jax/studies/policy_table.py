@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from rsqr_jax import policy as P
-from rsqr_jax.eval.runtime import ConfigError, Timer, read_tokens, status, write_json_atomic
+from rsqr_jax.eval.runtime import ConfigError, Timer, portable_path, read_tokens, status, write_json_atomic
 from rsqr_jax.eval.stats import block_bootstrap, check_finite, ppl
 from rsqr_jax.eval.perplexity import Model, hf_reference_nll, stream_policies
 
@@ -70,7 +70,7 @@ class PoliciesConfig:
         return f32, {"rsqr": P.make_policy("rsqr", **pol), "rerotate": P.make_policy("rerotate", **pol)}
 
     def to_json(self, model_path: str) -> dict:
-        return {"text": os.path.abspath(self.text), "tokens": self.tokens, "window": self.window, "sinks": self.sinks,
+        return {"text": portable_path(self.text), "tokens": self.tokens, "window": self.window, "sinks": self.sinks,
                 "delta": self.delta, "max_survivors": self.max_survivors, "block": 1, "overflow": "fifo",
                 "quick": self.quick, "segment": self.segment, "model": model_path}
 

@@ -18,7 +18,8 @@ from typing import Callable
 import numpy as np
 
 from rsqr_jax import policy as P
-from rsqr_jax.eval.runtime import ConfigError, Timer, read_tokens, status, write_json_atomic
+from rsqr_jax.eval.runtime import (ConfigError, Timer, portable_path, read_tokens, recorded_file, same_input, status,
+                                   write_json_atomic)
 from rsqr_jax.eval.stats import block_bootstrap, check_finite, ppl, ppl_curve
 from rsqr_jax.eval.perplexity import Interrupted, Model, stream_policies
 from rsqr_jax.spec import ColdStore
@@ -119,7 +120,7 @@ class PplConfig:
         return P.make_policy(key, window=W, **kw)
 
     def to_json(self) -> dict:
-        return {"text": os.path.abspath(self.text), "tokens": self.tokens,
+        return {"text": portable_path(self.text), "tokens": self.tokens,
                 "cell_tokens": {f"{w}/{d}": n for (w, d), n in self.cell_tokens}, "windows": list(self.windows),
                 "dtypes": list(self.dtypes), "policies": {d: list(self.pols(d)) for d in DTYPES},
                 "sinks": self.sinks, "delta": self.delta, "max_survivors": self.max_survivors, "overflow": "fifo",
@@ -237,7 +238,8 @@ def merge(out_dir: str, sources: list[str]) -> None:
     same = ("text", "sinks", "delta", "max_survivors", "overflow", "bucket")
     for src_dir in sources:
         src = _read_run(src_dir, "--merge")
-        diff = [k for k in same if src["config"].get(k) != dst["config"].get(k)]
+        diff = [k for k in same if (not same_input(src["config"]["text"], recorded_file(dst["config"]["text"]))
+                                    if k == "text" else src["config"].get(k) != dst["config"].get(k))]
         if diff:
             raise ConfigError(f"--merge: {src_dir} was run with {diff[0]}={src['config'].get(diff[0])!r}, "
                               f"{out_dir} with {dst['config'].get(diff[0])!r}")

@@ -39,8 +39,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from rsqr_jax.spec import ColdStore
-from rsqr_jax.eval.runtime import (ConfigError, check_memory, progress, read_text, sigterm_interrupts, status,
-                                         write_json_atomic)
+from rsqr_jax.eval.runtime import (ConfigError, check_memory, portable_path, progress, read_text, sigterm_interrupts,
+                                   status, write_json_atomic)
 from rsqr_jax.studies.recall_report import (PUBLISHED, RecallResult, load_resumable, paired, summarize,
                                                 unfinished)
 from rsqr_jax.studies.recall_setup import (ARMS, UNPROTECTED_SINKS, VARIANTS, Trials, answer_correct,
@@ -172,7 +172,7 @@ class RecallConfig:
         """What a resumed run must share with the run it continues (the trials and what every cell means);
         arms, variants and dtypes may be added."""
         return {"model": self.model or "embedded", "dtype": self.dtype, "kernel": self.kernel,
-                "filler": os.path.abspath(self.filler), "facts": os.path.abspath(self.facts) if self.facts else None,
+                "filler": portable_path(self.filler), "facts": portable_path(self.facts) if self.facts else None,
                 "preamble": self.preamble, "seed": self.seed, "trials": self.trials, "n_facts": self.n_facts,
                 "window": self.window, "block": self.block, "cycle_len": self.cycle_len, "delta": self.delta,
                 "cap": self.cap, "gen_tokens": self.gen_tokens, "cycles": list(self.cycles),

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from rsqr_jax.eval.runtime import ConfigError
+from rsqr_jax.eval.runtime import ConfigError, portable_path, recorded_file, same_input
 from rsqr_jax.eval.stats import mcnemar_p, wilson
 from rsqr_jax.studies.recall_setup import ARMS, UNPROTECTED_SINKS, VARIANTS
 
@@ -75,6 +74,14 @@ def summarize(records: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------
 # The result, and resuming from it.
 
+def _same_setting(key: str, old, new) -> bool:
+    """A fingerprint entry of the run to continue against this run's; the input files are compared as files (a
+    run written from another working directory, or with an older absolute name, continues)."""
+    if key in ("filler", "facts") and old is not None and new is not None:
+        return same_input(old, recorded_file(new))
+    return old == new
+
+
 def load_resumable(path: Path, fingerprint: dict) -> dict:
     """The recall.json an interrupted run left, if it was run with the same fingerprint."""
     try:
@@ -83,7 +90,7 @@ def load_resumable(path: Path, fingerprint: dict) -> dict:
         raise ConfigError(f"--resume: cannot read {path}: {e}") from None
     if "fingerprint" not in old or "arms_done" not in old:
         raise ConfigError(f"--resume: {path} was written without resume data (an older run); start a fresh --out")
-    diff = [k for k in fingerprint if old["fingerprint"].get(k) != fingerprint[k]]
+    diff = [k for k in fingerprint if not _same_setting(k, old["fingerprint"].get(k), fingerprint[k])]
     if diff:
         k = diff[0]
         raise ConfigError(f"--resume: {path} was run with {k}={old['fingerprint'].get(k)!r}, this run has "
@@ -143,7 +150,7 @@ class RecallResult:
                 "correct": "the asked number's digit string appears in the greedy answer",
                 "digit_positions": meta["digit_pos"],
                 "arm_policies": meta["arm_policies"],
-                "filler": os.path.abspath(cfg.filler), "facts": os.path.abspath(cfg.facts) if cfg.facts else "built-in",
+                "filler": portable_path(cfg.filler), "facts": portable_path(cfg.facts) if cfg.facts else "built-in",
                 "replay_evaluation": "short stream per (trial, checkpoint): sinks + last filler tokens (block-aligned)",
                 "seed": cfg.seed,
             },
