@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 
-from rsqr_jax.cli.args import Parser, add_model_args, check_model_args, load_model_from_args, run_main
+from rsqr_jax.cli.args import (Parser, add_model_args, add_policy_args, check_model_args, load_model_from_args,
+                               policy_from_args, run_main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,10 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="tokens per reply (end-of-turn ignored)")
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--seed", type=int, default=d.seed, help="the sampler's seed (every arm's)")
-    p.add_argument("--window", type=int, default=d.window)
-    p.add_argument("--sinks", type=int, default=d.n_sink)
-    p.add_argument("--delta", type=int, default=d.delta)
-    p.add_argument("--max-survivors", type=int, default=d.max_survivors)
+    add_policy_args(p, flags=("window", "sinks", "delta", "max_survivors"), recall=False)
     p.add_argument("--recall-pages", type=int, default=d.recall_pages, help="pages the recall arms recall")
     p.add_argument("--cold-capacity", type=int, default=d.cold_capacity)
     p.add_argument("--page-size", type=int, default=d.page_size)
@@ -43,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_model_args(args)
     cfg = B.BenchChatConfig(args.prompt, args.system, new_tokens=args.new_tokens, rounds=args.rounds, seed=args.seed,
-                            window=args.window, n_sink=args.sinks, delta=args.delta, max_survivors=args.max_survivors,
+                            policy=policy_from_args(args, recall_pages=0),  # --recall-pages: the recall arms'
                             recall_pages=args.recall_pages, cold_capacity=args.cold_capacity,
                             page_size=args.page_size, prefill_chunk=args.prefill_chunk)
     if args.quick:

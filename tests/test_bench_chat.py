@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from rsqr_jax.policy import rsqr
 from rsqr_jax.studies import chat_timing as B
 from rsqr_jax.eval.runtime import ConfigError
 from tests.tiny_session import CFG, model
@@ -30,8 +31,8 @@ class CharTokenizer:
 
 # A window the prompt ("<user>hi</><assistant>", 22 tokens) and the reply fit, so the store stays empty; prefill
 # chunk 1: prefill and decode are one compilation.
-TINY = B.BenchChatConfig("hi", new_tokens=6, rounds=2, seed=3, window=32, n_sink=2, delta=2, max_survivors=4,
-                         recall_pages=2, cold_capacity=32, page_size=4, prefill_chunk=1, gen_block=4)
+TINY = B.BenchChatConfig("hi", new_tokens=6, rounds=2, seed=3, policy=rsqr(32, 2, 2, 4), recall_pages=2,
+                         cold_capacity=32, page_size=4, prefill_chunk=1, gen_block=4)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,5 @@ def test_table_and_json_shape(result, tmp_path):
 def test_a_reply_that_would_fill_the_store_is_refused():
     apply_fn, params = model()
     with pytest.raises(ConfigError, match="must fit the window"):
-        B.run(B.BenchChatConfig("hi", new_tokens=40, window=32, n_sink=2, delta=2, max_survivors=4, recall_pages=2,
-                                cold_capacity=32, page_size=4, prefill_chunk=4), apply_fn, params, CFG,
-              CharTokenizer())
+        B.run(B.BenchChatConfig("hi", new_tokens=40, policy=rsqr(32, 2, 2, 4), recall_pages=2, cold_capacity=32,
+                                page_size=4, prefill_chunk=4), apply_fn, params, CFG, CharTokenizer())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -474,6 +475,7 @@ def test_memory_measurement_streams_equal_lone_sessions_and_track_the_facts():
     stream (StreamScheduler.follow_up), gives the replies chat.run gives on a lone Session (greedy); the facts'
     mentions are found (first turn) and, before the question, out of rsqr's device cache; a recorded history
     replays the same conversation with only the answer generated."""
+    from rsqr_jax.policy import make_policy
     from rsqr_jax.studies import memory as M
     from rsqr_jax.sampling import Sampling
     from rsqr_jax.spec import CacheSpec
@@ -481,8 +483,9 @@ def test_memory_measurement_streams_equal_lone_sessions_and_track_the_facts():
     tok = IdTokenizer()
     demo = chat.MemoryDemo("be brief", ("I am Ada.", "a b c d e f g h i j k", "l m n o p q r s", "who am I?"),
                            (chat.Fact("name", "Ada", ("Ada",)),))
-    cfg = M.MemoryConfig(arms=("rsqr",), seeds=2, max_new_tokens=3, window=8, n_sink=2, delta=3, max_survivors=3,
-                         prefill_chunk=CHUNK, sampling=(("temperature", 0.0), ("repeat_last_n", 8)))
+    cfg = M.MemoryConfig(arms=("rsqr",), seeds=2, max_new_tokens=3, policy=make_policy("rsqr", window=8, n_sink=2,
+                         delta=3, max_survivors=3), prefill_chunk=CHUNK,
+                         sampling=(("temperature", 0.0), ("repeat_last_n", 8)))
     apply_fn, params = model()
     rows = M.run_arm("rsqr", cfg, apply_fn, params, CFG, tok, demo=demo)
     pol = M.policy_of("rsqr", cfg)
@@ -498,5 +501,7 @@ def test_memory_measurement_streams_equal_lone_sessions_and_track_the_facts():
                        tok, demo=demo)
     assert replay[0]["memory"]["fact_positions"] == rows[0]["memory"]["fact_positions"]
     assert len(replay[0]["replies"]) == 1 and "answer_names" in replay[0]
+    committed = json.loads((Path(__file__).resolve().parent.parent / "docs/data/memory_history.json").read_text())
+    assert list(cfg.to_json()) == list(committed["config"]) and cfg.to_json()["window"] == 8  # the results' layout
     table = M.summarize({"rsqr": rows}, demo)
     assert table[0]["n"] == 2 and table[0]["facts_out_of_device_cache"] == 2

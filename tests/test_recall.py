@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from rsqr_jax.sampling import Sampling
 from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
 from rsqr_jax.update import commit, plan_step
 
+REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config()
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)
 
@@ -346,13 +348,18 @@ def test_fact_probe_runs_every_arm_deterministically(tmp_path):
 
     text = tmp_path / "filler.txt"
     text.write_text(" ".join(np.random.default_rng(drawn_seed("probe")).choice(["ash", "elm", "oak", "yew"], 300)))
-    cfg = F.FactConfig(str(text), trials=2, n_filler=60, window=16, n_sink=2, delta=4, max_survivors=4,
-                       recall_pages=2, cold=rj.ColdStore(64, 4, neighbors=1), lead_max=7, prefill_chunk=8, gen_tokens=4)
+    cfg = F.FactConfig(str(text), trials=2, n_filler=60, policy=rj.rsqr(16, 2, 4, 4), recall_pages=2,
+                       cold=rj.ColdStore(64, 4, neighbors=1), lead_max=7, prefill_chunk=8, gen_tokens=4)
     apply_fn, params = _model(0)
     tok = ByteTokenizer(CFG.vocab_size)
     a = F.run(cfg, apply_fn, params, CFG, tok, show_progress=False)
     assert [r["arm"] for r in a["records"]] == list(F.ARMS) * 2
-    assert all(r["prompt_tokens"] > cfg.window + cfg.n_filler // 2 for r in a["records"])
+    assert all(r["prompt_tokens"] > 16 + cfg.n_filler // 2 for r in a["records"])
+    # The config is written as the committed results have it (their layout, every key in its place).
+    committed = json.loads((REPO / "docs/data/recall_tier/fact_place_fixed_s11.json").read_text())["config"]
+    assert list(a["config"]) == list(committed)
+    assert (a["config"]["window"], a["config"]["n_sink"], a["config"]["max_survivors"]) == (16, 2, 4)
+    assert a["summary"][1]["policy"] == "rsqr(W=16, N=2, delta=4, S=4, fifo)"
     for s in a["summary"]:
         assert s["trials"] == 2 and 0 <= s["wilson_lo"] <= s["acc"] <= s["wilson_hi"] <= 1
     assert a == F.run(cfg, apply_fn, params, CFG, tok, show_progress=False)
@@ -449,8 +456,8 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
-    cfg = B.BenchRecallConfig(str(text), (0, 32), recall_pages=2, page_size=4, window=8, n_sink=2, delta=3,
-                              max_survivors=3, prompt_tokens=40, new_tokens=3, rounds=2, page_scores=("mean", "max"))
+    cfg = B.BenchRecallConfig(str(text), (0, 32), recall_pages=2, page_size=4, policy=P.rsqr(8, 2, 3, 3),
+                              prompt_tokens=40, new_tokens=3, rounds=2, page_scores=("mean", "max"))
     res = B.run(cfg, *_model(0), CFG, ByteTokenizer(CFG.vocab_size))
     rows = res["rows"]
     assert [(r["cold_capacity"], r["page_score"]) for r in rows] == [(0, None), (32, "mean"), (32, "max")]
@@ -460,6 +467,8 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
     assert rows[1]["device_cache_MiB"] == rows[0]["device_cache_MiB"]  # recall adds no device-cache slots
     B.write(res, tmp_path / "out")
     assert "| 32 | 2 | max |" in (tmp_path / "out" / "bench_recall.md").read_text()
+    committed = json.loads((REPO / "docs/data/recall_tier/bench_full_4k.json").read_text())["config"]
+    assert list(res["config"]) == list(committed) and res["config"]["max_survivors"] == 3  # the results' layout
     with pytest.raises(B.ConfigError, match="page-scores"):
         B.BenchRecallConfig(str(text), (0, 32), page_size=4, page_scores=("best",))
     with pytest.raises(B.ConfigError, match="multiples of --page-size"):

@@ -28,6 +28,8 @@ import time
 import numpy as np
 
 from rsqr_jax.eval.runtime import ConfigError, status, write_json_atomic
+from rsqr_jax.policy import Policy
+from rsqr_jax.studies import base_policy
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -66,20 +68,18 @@ RATIOS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class BenchChatConfig:
-    """decode.py's defaults: window 256, 4 sinks, delta 8, 64 survivors, recall 4 pages of a 4096-token cold
-    store (page 16), prefill chunk 64; `sampling` None = decode.py's chat defaults (chat.CHAT_SAMPLING)."""
+    """decode.py's defaults: rsqr with the library's window, sinks and survivors (`policy`, its mode is rsqr),
+    the recall arms' 4 pages of a 4096-token cold store (page 16; the plain arms recall nothing, so the pages are
+    not the base policy's), prefill chunk 64; `sampling` None = decode.py's chat defaults (chat.CHAT_SAMPLING)."""
 
     prompt: str = DEFAULT_PROMPT
     system: str | None = None  # None: the chat template's own
     new_tokens: int = 96
     rounds: int = 3
     seed: int = 0
-    window: int = 256
-    n_sink: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policy: Policy = base_policy.field()
     recall_pages: int = 4
     cold_capacity: int = 4096
     page_size: int = 16
@@ -104,6 +104,7 @@ class BenchChatConfig:
             raise ConfigError(f"recall settings: {e}") from None
         if self.recall_pages > cold.pages:
             raise ConfigError(f"--recall-pages {self.recall_pages} exceeds the cold store's {cold.pages} pages")
+        base_policy.check(self.policy)
 
     def sampling_values(self) -> dict:
         from rsqr_jax.cli.chat import CHAT_SAMPLING
@@ -135,22 +136,18 @@ def _recallable(session) -> int:
 
 def build_sessions(cfg: BenchChatConfig, apply_fn, params, model_config) -> dict:
     """One Session per arm (same seed); sessions of one spec and policy share one compilation."""
-    from rsqr_jax import policy as P
     from rsqr_jax.sampling import Sampling
     from rsqr_jax.session import Session
     from rsqr_jax.spec import CacheSpec, ColdStore
 
-    chunk = min(cfg.prefill_chunk, cfg.window)
-    dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                head_dim=model_config.head_dim, max_chunk=chunk)
+    chunk = min(cfg.prefill_chunk, int(cfg.policy.window))
     chat_values = cfg.sampling_values()
     setups = {}
     for recall in (False, True):
-        pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors,
-                     recall_pages=cfg.recall_pages if recall else 0)
+        pol = cfg.policy.replace(mode="rsqr", recall_pages=cfg.recall_pages if recall else 0)
         cold = ({"cold": ColdStore(cfg.cold_capacity, cfg.page_size), "max_recall_pages": cfg.recall_pages}
                 if recall else {})
-        setups[recall] = (pol, CacheSpec.for_policies(pol, **dims, **cold))
+        setups[recall] = (pol, CacheSpec.for_policies(pol, dims=model_config, max_chunk=chunk, **cold))
     sessions = {}
     for arm in ARMS:
         pol, spec = setups[arm.recall]
@@ -169,9 +166,10 @@ def run(cfg: BenchChatConfig, apply_fn, params, model_config, tokenizer) -> dict
 
     is_chat = conversation.has_chat_template(tokenizer)
     prompt = chat.prompt_ids(tokenizer, cfg.prompt, is_chat, cfg.system)
-    if len(prompt) + cfg.new_tokens > cfg.window:
+    window = int(cfg.policy.window)
+    if len(prompt) + cfg.new_tokens > window:
         raise ConfigError(f"the prompt ({len(prompt)} tokens) and --new-tokens {cfg.new_tokens} must fit the window "
-                          f"{cfg.window}: the recall arms measure an empty cold store")
+                          f"{window}: the recall arms measure an empty cold store")
     status(f"bench_chat: seed {cfg.seed}; prompt {len(prompt)} tokens"
            f"{' (chat template)' if is_chat else ''}; {cfg.new_tokens} new tokens x {cfg.rounds} rounds")
     sessions = build_sessions(cfg, apply_fn, params, model_config)
@@ -249,7 +247,7 @@ def run(cfg: BenchChatConfig, apply_fn, params, model_config, tokenizer) -> dict
                        "meets": meets(value), "cpu_meets": meets(cpu_value)})
     same = {f"{a} == {b}": texts[a] == texts[b] for a, b in
             (("rsqr_cli", "rsqr_engine"), ("recall_cli", "recall_engine"), ("recall_engine", "rsqr_engine"))}
-    return {"config": dataclasses.asdict(cfg), "seed": cfg.seed, "sampling": cfg.sampling_values(),
+    return {"config": base_policy.config_json(cfg, ("window", "n_sink", "delta", "max_survivors")), "seed": cfg.seed, "sampling": cfg.sampling_values(),
             "prompt_tokens": len(prompt), "chat_template": is_chat, "rows": rows, "ratios": ratios,
             "same_text": same, "load_average": {"before": load_before, "after": _load_average()}}
 

@@ -10,24 +10,26 @@ import dataclasses
 
 import numpy as np
 
+from rsqr_jax import policy as P
 from rsqr_jax.eval.runtime import ConfigError, progress, read_text, status, write_json_atomic
 from rsqr_jax.eval.stats import wilson
 from rsqr_jax.spec import ColdStore
+from rsqr_jax.studies import base_policy
 
 NAMES = ("Ada", "Boris", "Chloe", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kira", "Lars")
 ARMS = ("full", "rsqr", "rsqr_recall")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class FactConfig:
+    """policy: the rsqr arms' policy (its mode is rsqr whatever it was); recall_pages: the rsqr_recall arm's
+    (an arm apart, so not in the base policy: the plain arms recall nothing)."""
+
     filler: str
     trials: int = 20
     n_filler: int = 1200
     arms: tuple[str, ...] = ARMS
-    window: int = 256
-    n_sink: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policy: P.Policy = base_policy.field()
     recall_pages: int = 4
     cold: ColdStore = ColdStore()
     lead_max: int = 0
@@ -41,14 +43,15 @@ class FactConfig:
         bad = [a for a in self.arms if a not in ARMS]
         if bad:
             raise ConfigError(f"unknown arm {bad[0]!r}: choose from {', '.join(ARMS)}")
+        base_policy.check(self.policy)
 
-    def policy(self, arm: str):
-        from rsqr_jax import policy as P
-
+    def arm_policy(self, arm: str) -> P.Policy:
         if arm == "full":
             return P.full()
-        return P.rsqr(self.window, self.n_sink, self.delta, self.max_survivors,
-                      recall_pages=self.recall_pages if arm == "rsqr_recall" else 0)
+        return self.policy.replace(mode="rsqr", recall_pages=self.recall_pages if arm == "rsqr_recall" else 0)
+
+    def to_json(self) -> dict:
+        return base_policy.config_json(self, ("window", "n_sink", "delta", "max_survivors"))
 
 
 def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_progress: bool = True) -> dict:
@@ -61,8 +64,6 @@ def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_prog
         raise ConfigError(f"{cfg.filler} has {len(ids)} tokens; a trial needs {cfg.n_filler + cfg.lead_max}")
     rng = np.random.default_rng(cfg.seed)
     status(f"fact_probe: seed {cfg.seed}, {cfg.trials} trials, {cfg.n_filler} filler tokens of {cfg.filler}")
-    dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                head_dim=model_config.head_dim, max_chunk=cfg.prefill_chunk)
     records = []
     bar = progress(cfg.trials * len(cfg.arms), "fact_probe", enabled=show_progress, unit="run")
     for trial in range(cfg.trials):
@@ -74,9 +75,10 @@ def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_prog
                   + ids[off + lead:off + lead + cfg.n_filler]
                   + tokenizer.encode(f" The secret number of {name} is", add_special_tokens=False))
         for arm in cfg.arms:
-            pol = cfg.policy(arm)
+            pol = cfg.arm_policy(arm)
             cold = {"cold": cfg.cold} if arm == "rsqr_recall" else {}
-            spec = CacheSpec.for_policies(pol, max_len=len(prompt) + max(16, cfg.gen_tokens), **cold, **dims)
+            spec = CacheSpec.for_policies(pol, dims=model_config, max_chunk=cfg.prefill_chunk,
+                                          max_len=len(prompt) + max(16, cfg.gen_tokens), **cold)
             s = Session(apply_fn, params, spec, pol, prefill_chunk=cfg.prefill_chunk)
             s.feed(prompt)
             answer = tokenizer.decode(s.generate(cfg.gen_tokens))
@@ -88,9 +90,9 @@ def run(cfg: FactConfig, apply_fn, params, model_config, tokenizer, *, show_prog
     for arm in cfg.arms:
         k = sum(r["correct"] for r in records if r["arm"] == arm)
         lo, hi = wilson(k, cfg.trials)
-        summary.append({"arm": arm, "policy": cfg.policy(arm).name, "correct": k, "trials": cfg.trials,
+        summary.append({"arm": arm, "policy": cfg.arm_policy(arm).name, "correct": k, "trials": cfg.trials,
                         "acc": k / cfg.trials, "wilson_lo": lo, "wilson_hi": hi})
-    return {"config": dataclasses.asdict(cfg), "summary": summary, "records": records}
+    return {"config": cfg.to_json(), "summary": summary, "records": records}
 
 
 def markdown(result: dict) -> str:

@@ -22,24 +22,24 @@ from rsqr_jax import conversation
 from rsqr_jax.cli import chat
 from rsqr_jax.eval.runtime import ConfigError, status, write_json_atomic
 from rsqr_jax.eval.stats import wilson
+from rsqr_jax.policy import Policy
+from rsqr_jax.studies import base_policy
 
 # arm -> (policy, recall pages); the cache of decode.py's defaults.
 ARMS = {"full": ("full", 0), "rsqr": ("rsqr", 0), "rsqr_recall": ("rsqr", chat.DEFAULT_RECALL_PAGES)}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class MemoryConfig:
-    """seeds: conversations per arm (seeds first_seed, first_seed + 1, ...); the policy and cache are
-    decode.py's defaults; sampling: decode.py's chat defaults unless given (by Sampling field)."""
+    """seeds: conversations per arm (seeds first_seed, first_seed + 1, ...); policy: the bounded arms' window,
+    sinks and survivors (each arm sets its mode and recall pages), the cache decode.py's defaults; sampling:
+    decode.py's chat defaults unless given (by Sampling field)."""
 
     arms: tuple[str, ...] = tuple(ARMS)
     seeds: int = 20
     first_seed: int = 0
     max_new_tokens: int = 128
-    window: int = 256
-    n_sink: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policy: Policy = base_policy.field()
     cold_capacity: int = 4096
     page_size: int = 16
     prefill_chunk: int = 64
@@ -53,10 +53,15 @@ class MemoryConfig:
         if self.seeds < 1 or self.max_new_tokens < 1:
             raise ConfigError("--seeds and --max-new-tokens must be >= 1")
         chat.check_sampling(dict(self.sampling))
+        base_policy.check(self.policy)
 
     @property
     def sampling_values(self) -> dict:
         return chat.resolve_sampling(dict(self.sampling))
+
+    def to_json(self) -> dict:
+        return {**base_policy.config_json(self, ("window", "n_sink", "delta", "max_survivors")),
+                "sampling": self.sampling_values}
 
 
 def read_history(path: str) -> tuple[str, ...]:
@@ -77,14 +82,9 @@ def check_history(history: tuple[str, ...], demo: chat.MemoryDemo = chat.DEMO) -
                           f"got {len(history)}")
 
 
-def policy_of(arm: str, config: MemoryConfig):
-    from rsqr_jax.policy import make_policy
-
+def policy_of(arm: str, config: MemoryConfig) -> Policy:
     mode, pages = ARMS[arm]
-    if mode == "full":
-        return make_policy("full")
-    return make_policy(mode, window=config.window, n_sink=config.n_sink, delta=config.delta,
-                       max_survivors=config.max_survivors, recall_pages=pages)
+    return config.policy.replace(mode=mode, recall_pages=pages)
 
 
 def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, tokenizer,
@@ -105,8 +105,7 @@ def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, toke
     max_len = chat.full_max_len(tokenizer, demo.turns, config.max_new_tokens, demo.system)
     if config.history:
         max_len += sum(len(tokenizer.encode(r)) for r in config.history)
-    spec = CacheSpec.for_policies(policy, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                                  head_dim=model_config.head_dim, max_chunk=config.prefill_chunk, max_len=max_len,
+    spec = CacheSpec.for_policies(policy, dims=model_config, max_chunk=config.prefill_chunk, max_len=max_len,
                                   **({**cold, "max_recall_pages": recall} if recall else {}))
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=n, prefill_chunk=config.prefill_chunk,
                             sampling=Sampling(**config.sampling_values), eos_ids=model_config.eos_token_ids,
@@ -195,7 +194,7 @@ def summarize(rows_by_arm: dict[str, list[dict]], demo: chat.MemoryDemo = chat.D
 
 
 def run(config: MemoryConfig, apply_fn, params, model_config, tokenizer) -> dict:
-    result = {"config": {**dataclasses.asdict(config), "sampling": config.sampling_values},
+    result = {"config": config.to_json(),
               "demo": dataclasses.asdict(chat.DEMO), "arms": {}}
     for arm in config.arms:
         t0 = time.perf_counter()

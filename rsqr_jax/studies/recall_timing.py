@@ -17,19 +17,21 @@ import time
 import numpy as np
 
 from rsqr_jax.eval.runtime import ConfigError, read_tokens, status, write_json_atomic
+from rsqr_jax.policy import Policy
 from rsqr_jax.spec import DEFAULT_PAGE_SCORE
+from rsqr_jax.studies import base_policy
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class BenchRecallConfig:
+    """policy: rsqr's window, sinks and survivors (its mode is rsqr); recall_pages: the recalling arms' pages
+    (plain rsqr recalls none, so they are not the base policy's)."""
+
     text: str
     cold_sizes: tuple[int, ...] = (0, 4096, 16384, 65536)  # 0 = plain rsqr (no cold store)
     recall_pages: int = 4
     page_size: int = 16
-    window: int = 256
-    n_sink: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policy: Policy = base_policy.field()
     prompt_tokens: tuple[int, ...] = (512,)  # one arm per length, each recalling arm against plain rsqr's
     new_tokens: int = 64
     rounds: int = 3
@@ -50,6 +52,7 @@ class BenchRecallConfig:
             raise ConfigError(f"--page-scores must be a list of {', '.join(PAGE_SCORES)}, got {self.page_scores}")
         if not self.reselects or min(self.reselects) < 1:
             raise ConfigError(f"--reselect must be a list of integers >= 1, got {self.reselects}")
+        base_policy.check(self.policy)
 
 
 def _recallable(session) -> int:
@@ -81,31 +84,28 @@ def _adopt(session, src) -> None:
 
 
 def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> dict:
-    from rsqr_jax import policy as P
     from rsqr_jax.session import Session
     from rsqr_jax.spec import CacheSpec, ColdStore
 
     prompts = {n: read_tokens(tokenizer, cfg.text, n) for n in cfg.prompt_tokens}
-    dims = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                head_dim=model_config.head_dim, max_chunk=min(64, cfg.window))
+    chunk = min(64, int(cfg.policy.window))
     sessions = {}  # (cold size, page rule or None, reselect, prompt length) -> (session, bytes by part)
     filled = {}  # (cold size, prompt length) -> the Session fed with recall off (fill)
     for size in sorted(cfg.cold_sizes, reverse=cfg.fill):  # fill: plain rsqr takes a filled state
         for rule, every in ([(r, e) for r in cfg.page_scores for e in cfg.reselects] if size else [(None, 1)]):
             k = cfg.recall_pages if size else 0
-            pol = P.rsqr(cfg.window, cfg.n_sink, cfg.delta, cfg.max_survivors, recall_pages=k)
+            pol = cfg.policy.replace(mode="rsqr", recall_pages=k)
             cold = ColdStore(size, cfg.page_size, rule, reselect=every) if size else None
-            spec = CacheSpec.for_policies(pol, cold=cold, **dims)
+            spec = CacheSpec.for_policies(pol, cold=cold, dims=model_config, max_chunk=chunk)
             for n, prompt in prompts.items():  # sessions of one spec share its compilation
-                s = Session(apply_fn, params, spec, pol, prefill_chunk=dims["max_chunk"])
+                s = Session(apply_fn, params, spec, pol, prefill_chunk=chunk)
                 s.warmup()
                 if not cfg.fill:
                     s.feed(prompt)
                 else:
                     src = next((v for (c, m), v in filled.items() if m == n and (c == size or not size)), None)
                     if src is None:  # this size's fill: the same spec, recall off
-                        src = Session(apply_fn, params, spec, dataclasses.replace(pol, recall_pages=0),
-                                      prefill_chunk=dims["max_chunk"])
+                        src = Session(apply_fn, params, spec, pol.replace(recall_pages=0), prefill_chunk=chunk)
                         t0 = time.perf_counter()
                         src.feed(prompt)
                         status(f"bench_recall: cold {size}: {n} prompt tokens fed with recall off in "
@@ -133,7 +133,7 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
                      "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, every, n]],
                      "ratio": ms / (1000 * base[n]), "cold_store_MiB": parts["cold_store"] / 2**20,
                      "device_cache_MiB": (parts["total"] - parts["cold_store"]) / 2**20})
-    return {"config": dataclasses.asdict(cfg), "rows": rows}
+    return {"config": base_policy.config_json(cfg, ("window", "n_sink", "delta", "max_survivors")), "rows": rows}
 
 
 def markdown(result: dict) -> str:
