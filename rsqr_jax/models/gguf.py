@@ -1,10 +1,12 @@
 """GGUF files (llama.cpp format, any quantization gguf-py can dequantize), architectures ``llama`` (Mistral GGUFs
-are written as ``llama`` too), ``qwen2`` and ``qwen3``: config, canonical weights (dequantized one tensor at a
-time) and the tokenizer.
+are written as ``llama`` too), ``qwen2``, ``qwen3``, ``gemma2`` and ``gemma3``: config, canonical weights
+(dequantized one tensor at a time) and the tokenizer.
 
 llama.cpp's ``convert_hf_to_gguf`` permutes the q/k rows of ``llama`` models into the interleaved RoPE layout
-(not those of ``qwen2`` / ``qwen3``, whose per-head q/k norms it writes as ``attn_q_norm`` / ``attn_k_norm``);
-``iter_weights`` undoes that permutation, so the weights come out in the canonical half-split layout.
+(not those of ``qwen2`` / ``qwen3`` / Gemma, whose per-head q/k norms it writes as ``attn_q_norm`` /
+``attn_k_norm``); ``iter_weights`` undoes that permutation, so the weights come out in the canonical half-split
+layout. For Gemma the converter adds 1 to every RMSNorm weight (llama.cpp's norm is ``x * w``, Gemma's
+``x * (1 + w)``); ``iter_weights`` subtracts it again, so the norms come out as HF holds them.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from rsqr_jax.models.config import LOCAL, ModelConfig, ModelLoadError
+from rsqr_jax.models.config import GEMMA, GLOBAL, LOCAL, ModelConfig, ModelLoadError
 from rsqr_jax.models.layout import canonical_shapes, empty, eos_with_end_of_turn, one_line, stack_layers
 from rsqr_jax.rope import RopeScaling, inverse_frequencies
 
 MAGIC = b"GGUF"
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,6 +89,17 @@ def _value(reader, key: str, default: Any = None) -> Any:
         raise ModelLoadError(f"unreadable GGUF metadata {key!r}: {one_line(e)}") from None
 
 
+def _float(reader, key: str, default: float | None = None) -> float | None:
+    """A float metadata value; a float32 one as the decimal it was written from (the shortest that rounds to it:
+    1e-05, not 9.999999747378752e-06), so a GGUF gives the config of the HF directory it was converted from."""
+    from gguf import GGUFValueType
+
+    v = _value(reader, key)
+    if v is None:
+        return default
+    return float(str(np.float32(v))) if reader.fields[key].types[0] == GGUFValueType.FLOAT32 else float(v)
+
+
 def _tokens(reader) -> list[str] | None:
     field = reader.fields.get("tokenizer.ggml.tokens")
     if field is None:
@@ -142,6 +155,61 @@ def _llama3_from_rope_freqs(factors: np.ndarray, head_dim: int, theta: float, ct
     raise ModelLoadError("GGUF rope_freqs tensor does not match any llama3 rope scaling; unsupported")
 
 
+# What llama.cpp assumes where a Gemma file says nothing (src/models/gemma2.cpp and gemma3.cpp, llama-hparams.h).
+# Its converter never writes the local:global pattern nor the query scale, and Gemma 2's converter writes no RoPE
+# base (llama.cpp's default, 10000, is Gemma 2's). By architecture: the local layers' window (Gemma 2: 4096; Gemma 3:
+# none, then every layer is global with the global RoPE), the period of the local:global pattern (the last layer of
+# every 2 / 6 is global), the local layers' RoPE base (Gemma 2: the global one; Gemma 3: 10000, which older
+# converters did not write), the soft-caps (Gemma 2: 50 on the attention scores, 30 on the logits; Gemma 3: no
+# attention soft-cap, a logit one only when the file gives it), and the layer count of the 27B model, whose query
+# scale is (hidden / heads) ** -0.5 instead of head_dim ** -0.5 (query_pre_attn_scalar in the HF config).
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(window=4096, period=2, local_theta=None, attn_cap=50.0, final_cap=30.0, layers_27b=46),
+    "gemma3": dict(window=None, period=6, local_theta=10000.0, attn_cap=None, final_cap=None, layers_27b=62),
+}
+
+
+def _gemma_layer_types(reader, arch: str, n_layers: int, period: int) -> tuple[str, ...]:
+    """LOCAL / GLOBAL per layer from `attention.sliding_window_pattern` as llama.cpp reads it: one flag per layer
+    (true: local), or a period n whose last layer is global (0: every layer local); `period` when absent."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    v = _value(reader, key, period)
+    if isinstance(v, (list, tuple)):
+        if len(v) != n_layers:
+            raise ModelLoadError(f"GGUF metadata {key} has {len(v)} entries for {n_layers} layers")
+        flags = [bool(f) for f in v]
+    else:
+        n = int(v)
+        flags = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+    return tuple(LOCAL if f else GLOBAL for f in flags)
+
+
+def _gemma_config(reader, arch: str, n_layers: int, ctx: int, hidden: int, n_heads: int, head_dim: int,
+                  theta: float, scaling: RopeScaling | None) -> dict:
+    """The Gemma fields of ModelConfig as llama.cpp reads the file (_GEMMA_DEFAULTS where it is silent): the config
+    the HF directory it was converted from gives (hf.load_config)."""
+    d = _GEMMA_DEFAULTS[arch]
+    window = _int(reader, f"{arch}.attention.sliding_window", d["window"])
+    types = _gemma_layer_types(reader, arch, n_layers, d["period"]) if window else None
+    types = types if types and LOCAL in types else None
+    local_theta = _float(reader, f"{arch}.rope.freq_base_swa", d["local_theta"])
+    if arch == "gemma2" and local_theta == theta:
+        local_theta = None  # one RoPE for every layer
+    attn_cap = _float(reader, f"{arch}.attn_logit_softcapping", d["attn_cap"]) if arch == "gemma2" else None
+    final_cap = _float(reader, f"{arch}.final_logit_softcapping", d["final_cap"])
+    return dict(
+        query_pre_attn_scalar=float(hidden // n_heads if n_layers == d["layers_27b"] else head_dim),
+        attn_logit_softcap=attn_cap,
+        final_logit_softcap=final_cap or None,
+        # a window that spans the context is no window at all (the layers stay typed: their RoPE)
+        sliding_window=window if types and window < ctx else None,
+        layer_types=types,
+        local_rope_theta=local_theta if types else None,
+        # Gemma 2's local layers share the global scaling; Gemma 3's run unscaled
+        local_rope_scaling=scaling if types and arch == "gemma2" and local_theta is not None else None,
+    )
+
+
 def load_config(p: Path) -> ModelConfig:
     reader = open_reader(p)
     arch = _value(reader, "general.architecture")
@@ -163,13 +231,13 @@ def load_config(p: Path) -> ModelConfig:
     rot_dim = _int(reader, f"{arch}.rope.dimension_count", head_dim)
     if rot_dim != head_dim:
         raise ModelLoadError(f"partial rotary embeddings (rope dim {rot_dim} < head dim {head_dim}) are not supported")
-    theta = float(_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = _float(reader, f"{arch}.rope.freq_base", 10000.0)
     ctx = _int(reader, f"{arch}.context_length", 8192)
 
     scaling = None
     kind = _value(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        factor = float(_value(reader, f"{arch}.rope.scaling.factor", 1.0))
+        factor = _float(reader, f"{arch}.rope.scaling.factor", 1.0)
         scaling = RopeScaling("linear", factor, original_max_position_embeddings=ctx)
     elif kind not in ("none", None):
         raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r}: supported are none, linear, llama3")
@@ -185,31 +253,39 @@ def load_config(p: Path) -> ModelConfig:
     vocab = int(tensors["token_embd.weight"].shape[-1])
     vocab_map = {t: i for i, t in enumerate(tokens)} if tokens else None
     eos = [_int(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    # Mistral's sliding window on every layer, where the file records one shorter than the context (see hf.py;
-    # Qwen's is never on in its checkpoints).
-    window = _int(reader, "llama.attention.sliding_window") if arch == "llama" else None
-    window = window if window and window < ctx else None
+    n_layers = req("block_count")
+    eps = _float(reader, f"{arch}.attention.layer_norm_rms_epsilon")
+    if eps is None and arch in GEMMA:  # llama.cpp requires it of Gemma files (and assumes nothing)
+        raise ModelLoadError(f"GGUF metadata {arch}.attention.layer_norm_rms_epsilon missing in {p.name}")
+    if arch in GEMMA:
+        family = _gemma_config(reader, arch, n_layers, ctx, hidden, n_heads, head_dim, theta, scaling)
+    else:
+        # Mistral's sliding window on every layer, where the file records one shorter than the context (see hf.py;
+        # Qwen's is never on in its checkpoints).
+        window = _int(reader, "llama.attention.sliding_window") if arch == "llama" else None
+        window = window if window and window < ctx else None
+        family = dict(sliding_window=window, layer_types=(LOCAL,) * n_layers if window else None)
 
     return ModelConfig(
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=req("feed_forward_length"),
-        num_layers=req("block_count"),
+        num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=1e-6 if eps is None else eps,
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings="output.weight" not in tensors,
+        # llama.cpp's Gemma 2 always projects with token_embd (its converter writes no output.weight)
+        tie_word_embeddings=arch == "gemma2" or "output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=_int(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_with_end_of_turn(eos, vocab_map),
         max_position_embeddings=ctx,
-        qk_norm=arch == "qwen3",
-        sliding_window=window,
-        layer_types=(LOCAL,) * req("block_count") if window else None,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        **family,
     )
 
 
@@ -271,14 +347,22 @@ def iter_weights(p: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray
         "w_up": ("ffn_up.weight", None),
         "w_down": ("ffn_down.weight", None),
     }
+    if config.gemma:  # ffn_norm is the MLP's pre-norm; Gemma adds a post-norm after attention and after the MLP
+        per_layer.update(post_attn_norm=("post_attention_norm.weight", None),
+                         post_mlp_norm=("post_ffw_norm.weight", None))
     if config.qk_norm:
         per_layer.update(q_norm=("attn_q_norm.weight", None), k_norm=("attn_k_norm.weight", None))
     if config.attention_bias:
         per_layer.update(
             bq=("attn_q.bias", config.num_heads), bk=("attn_k.bias", config.num_kv_heads), bv=("attn_v.bias", None)
         )
+    # the converter's +1 on Gemma's norm weights (every canonical name ending in "norm" is a norm weight); v - 1 is
+    # exact in float32 for a stored v >= 0.5, so the decoder's 1 + w gives the file's v back
+    shift = 1.0 if config.gemma else 0.0
     for name, (suffix, heads) in per_layer.items():
         w = stack_layers(config, name, shapes[name], lambda i: get(f"blk.{i}.{suffix}", heads))
+        if name.endswith("norm"):
+            w -= shift
         reader.drop_pages()
         yield name, w
     singles = {"embed": "token_embd.weight", "final_norm": "output_norm.weight"}
@@ -286,6 +370,8 @@ def iter_weights(p: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray
         if tensor not in tensors:
             raise ModelLoadError(f"GGUF {p.name} lacks tensor {tensor}")
         w = _dequantize(tensors[tensor], out=empty(shapes[name]))
+        if name.endswith("norm"):
+            w -= shift
         reader.drop_pages()
         yield name, w
     if not config.tie_word_embeddings:

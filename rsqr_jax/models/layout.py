@@ -10,8 +10,10 @@ import numpy as np
 
 from rsqr_jax.models.config import ModelConfig, ModelLoadError
 
-# Tokens that end a chat turn / a document in the model families we support; added to eos_token_ids.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|end|>")
+# Tokens that end a chat turn / a document in the model families we support (llama.cpp ends generation on each of
+# them by its text); added to eos_token_ids.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|end|>",
+                      "<end_of_turn>")
 
 
 def one_line(exc: BaseException) -> str:

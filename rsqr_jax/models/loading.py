@@ -2,8 +2,8 @@
 
 Two sources (rsqr_jax/models/gguf.py, rsqr_jax/models/hf.py), one canonical result (rsqr_jax/models/layout.py):
 
-* a GGUF file (llama.cpp format, any quantization gguf-py can dequantize), architecture ``llama``, ``qwen2`` or
-  ``qwen3``;
+* a GGUF file (llama.cpp format, any quantization gguf-py can dequantize), architecture ``llama``, ``qwen2``,
+  ``qwen3``, ``gemma2`` or ``gemma3``;
 * a Hugging Face directory (``config.json`` + ``*.safetensors``, single file or sharded with an index) of a
   supported family (rsqr_jax.models.hf.ARCHITECTURES; docs/models.md).
 
