@@ -1,6 +1,6 @@
 """Tiny random Hugging Face models of the newer families (Qwen3, Mistral, Gemma 2, Gemma 3), built offline and
 saved with save_pretrained together with a tiny tokenizer of the family's own class (a character-level BPE with a
-few merges and a chat template), and their F32 GGUF as llama.cpp's converter writes it (Qwen3).
+few merges and a chat template), and their F32 GGUF as llama.cpp's converter writes it (Qwen3, Gemma 2, Gemma 3).
 
 Weights are drawn large enough that every piece moves the logits (norm weights away from their neutral value,
 q/k norms too), so a missing or misplaced norm, scale or soft-cap cannot hide under the parity tolerance."""
@@ -185,6 +185,108 @@ def write_qwen3_gguf(hf_model, spec: FamilySpec, path: str | os.PathLike, slidin
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not spec.tie_word_embeddings:
         w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def write_sentencepiece_model(tok, path: str | os.PathLike) -> Path:
+    """A tiny tokenizer of build_tokenizer as the SentencePiece BPE model file Gemma checkpoints ship
+    (tokenizer.model, which llama.cpp's converter reads): its pieces in id order, the special tokens as control
+    pieces (the unknown token as unknown), scores falling with the id (llama.cpp merges by score)."""
+    from sentencepiece import sentencepiece_model_pb2 as sp
+
+    m = sp.ModelProto()
+    special = set(tok.all_special_tokens)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    for piece, i in vocab:
+        kind = sp.ModelProto.SentencePiece.UNKNOWN if piece == tok.unk_token else (
+            sp.ModelProto.SentencePiece.CONTROL if piece in special else sp.ModelProto.SentencePiece.NORMAL)
+        m.pieces.add(piece=piece, score=0.0 if piece in special else -float(i), type=kind)
+    ids = tok.get_vocab()
+    t = m.trainer_spec
+    t.model_type, t.vocab_size, t.byte_fallback = sp.TrainerSpec.BPE, len(vocab), False
+    t.unk_id, t.bos_id, t.eos_id, t.pad_id = (ids[x] for x in (tok.unk_token, tok.bos_token, tok.eos_token,
+                                                                tok.pad_token))
+    n = m.normalizer_spec
+    n.name, n.add_dummy_prefix, n.remove_extra_whitespaces, n.escape_whitespaces = "identity", False, False, True
+    Path(path).write_bytes(m.SerializeToString())
+    return Path(path)
+
+
+# HF Gemma tensor names (under model.layers.{i}.) -> llama.cpp's (under blk.{i}.), as convert_hf_to_gguf maps them
+_GEMMA_TENSORS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+                  "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gemma_gguf(spec: FamilySpec, directory: str | os.PathLike, path: str | os.PathLike, *,
+                     sliding_window_pattern=None, omit: tuple[str, ...] = ()) -> Path:
+    """An F32 GGUF of a saved tiny Gemma 2 / Gemma 3 directory (with its tokenizer.model: write_sentencepiece_model)
+    the way convert_hf_to_gguf writes one (Gemma2Model / Gemma3Model). Metadata: the window, the soft-caps (Gemma
+    2 both; Gemma 3 the logit one when set), Gemma 3's global RoPE base and linear scaling and its local base as
+    rope.freq_base_swa, no RoPE base for Gemma 2, and neither the local:global pattern nor the query scale (llama.cpp
+    assumes them). Tensors: llama.cpp's names, q/k rows not permuted, 1 added to every norm weight (Gemma's
+    (1 + w)), no output.weight (tied). Vocabulary: tokenizer.model's pieces padded with [PAD{i}] to the config's
+    vocab_size, its special tokens and chat template (gguf's SpecialVocab, as the converter reads them).
+    sliding_window_pattern: also write attention.sliding_window_pattern (llama.cpp reads it; the converter does not
+    for these families); omit: metadata keys to leave out."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+    from sentencepiece import SentencePieceProcessor
+
+    from tests.hf_fixtures import gguf_writer
+
+    directory = Path(directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    w = gguf_writer(path, spec.arch, spec, cfg["rms_norm_eps"], cfg["sliding_window"], rope=False, vocab=False)
+    if spec.arch == "gemma3":
+        rope = cfg["rope_parameters"]
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if rope["full_attention"].get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    else:
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if sliding_window_pattern is not None:
+        w.add_sliding_window_pattern(sliding_window_pattern)
+
+    sp = SentencePieceProcessor(model_file=str(directory / "tokenizer.model"))
+    n = cfg["vocab_size"]
+    tokens, scores, types = [f"[PAD{i}]" for i in range(n)], [-10000.0] * n, [gguf.TokenType.UNUSED] * n
+    for i in range(sp.vocab_size()):
+        tokens[i], scores[i] = sp.IdToPiece(i), sp.GetScore(i)
+        types[i] = (gguf.TokenType.UNKNOWN if sp.IsUnknown(i) else gguf.TokenType.CONTROL if sp.IsControl(i)
+                    else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    gguf.SpecialVocab(directory, n_vocab=n).add_to_gguf(w)
+    w.add_add_space_prefix(False)
+    for key in omit:
+        del w.kv_data[0][key]
+
+    sd = load_file(str(directory / "model.safetensors"))
+    shift = lambda name, x: x + np.float32(1) if name.endswith("norm.weight") else x  # noqa: E731
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(spec.num_layers):
+        for hf, gg in _GEMMA_TENSORS.items():
+            name = f"model.layers.{i}.{hf}.weight"
+            if name in sd:
+                w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(shift(name, sd[name])))
+    w.add_tensor("output_norm.weight", shift("model.norm.weight", sd["model.norm.weight"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

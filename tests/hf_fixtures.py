@@ -136,10 +136,12 @@ def hf_logits(model_or_dir, token_ids) -> np.ndarray:
     return out.to(torch.float32).numpy()
 
 
-def gguf_writer(path: str | os.PathLike, arch: str, spec, rms_norm_eps: float, sliding_window: int | None = None):
+def gguf_writer(path: str | os.PathLike, arch: str, spec, rms_norm_eps: float, sliding_window: int | None = None,
+                *, rope: bool = True, vocab: bool = True):
     """A GGUFWriter holding the hyperparameters of a tiny spec (TinySpec or family_fixtures.FamilySpec: the
     same field names) and the placeholder token list <t{i}> with the chat specials at ids 0-2, as every
-    tiny GGUF of the tests has them; the caller adds what its architecture needs, then the tensors."""
+    tiny GGUF of the tests has them; the caller adds what its architecture needs, then the tensors.
+    rope: write the RoPE dimension count and base; vocab: write the placeholder token list."""
     import gguf
 
     w = gguf.GGUFWriter(os.fspath(path), arch)
@@ -151,11 +153,14 @@ def gguf_writer(path: str | os.PathLike, arch: str, spec, rms_norm_eps: float, s
     w.add_head_count_kv(spec.num_kv_heads)
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
-    w.add_rope_dimension_count(spec.head_dim)
-    w.add_rope_freq_base(spec.rope_theta)
+    if rope:
+        w.add_rope_dimension_count(spec.head_dim)
+        w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(rms_norm_eps)
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
+    if not vocab:
+        return w
     w.add_tokenizer_model("gpt2")
     tokens = [f"<t{i}>" for i in range(spec.vocab_size)]
     tokens[0], tokens[1], tokens[2] = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
