@@ -20,17 +20,16 @@ from __future__ import annotations
 import json
 import os
 
-from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, run_main
+from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, add_policy_args, policy_defaults, policy_from_args, run_main
 
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--text", default=str(DEFAULT_TEXT))
     p.add_argument("--tokens", type=int, default=None, help="tokens streamed (default 4096; --quick 512)")
-    p.add_argument("--window", type=int, default=None, help="window W (default 256; --quick 64)")
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--delta", type=int, default=8)
-    p.add_argument("--max-survivors", type=int, default=64)
+    p.add_argument("--window", type=int, default=None,
+                   help=f"window W (default {policy_defaults()['window']}; --quick 64)")
+    add_policy_args(p, flags=("sinks", "delta", "max_survivors"), recall=False)
     p.add_argument("--segment", type=int, default=256, help="tokens per jitted call")
     p.add_argument("--full-chunk", type=int, default=256, help="chunk of the full-attention run")
     p.add_argument("--hf-chunk", type=int, default=512, help="chunk of the torch reference")
@@ -61,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         result, out_dir = policies.rescore(args.rescore), args.rescore
     else:
         config = policies.PoliciesConfig.make(
-            args.text, quick=args.quick, tokens=args.tokens, window=args.window, sinks=args.sinks, delta=args.delta,
-            max_survivors=args.max_survivors, segment=args.segment, full_chunk=args.full_chunk,
+            args.text, quick=args.quick, tokens=args.tokens, window=args.window, policy=policy_from_args(args),
+            segment=args.segment, full_chunk=args.full_chunk,
             hf_chunk=args.hf_chunk, hf=not args.no_hf, bf16=not args.no_bf16)
         out_dir = args.out or os.path.join("runs", "exp_policies_quick" if args.quick else "exp_policies")
         os.makedirs(out_dir, exist_ok=True)

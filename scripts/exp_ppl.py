@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 
-from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, add_recall_args, cold_store_from_args, run_main
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, UsageError, add_policy_args, add_recall_args, cold_store_from_args,
+                               policy_from_args, run_main)
 
 
 def build_parser() -> Parser:
@@ -37,9 +38,7 @@ def build_parser() -> Parser:
                    help="bfloat16 cells: subset as for --policies, or 'same' (= --policies)")
     p.add_argument("--cell-tokens", default=None,
                    help=f"per-cell override of --tokens, W/dtype=N terms (default: {cell_default}; '' for none)")
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--delta", type=int, default=8)
-    p.add_argument("--max-survivors", type=int, default=64)
+    add_policy_args(p, flags=("sinks", "delta", "max_survivors"), recall=False)  # the windows are --windows
     p.add_argument("--full-tokens", type=int, default=None, help="cap for full (default 4096)")
     p.add_argument("--full-chunk", type=int, default=256)
     p.add_argument("--replay-tokens", type=int, default=None, help="cap for replay (default W+512; --quick W+96)")
@@ -94,12 +93,12 @@ def config_from_args(args):
     pols = tuple(x for x in args.policies.split(",") if x)
     cold = cold_store_from_args(args) or ColdStore()
     bf16 = pols if args.bf16_policies == "same" else tuple(x for x in args.bf16_policies.split(",") if x)
+    base = policy_from_args(args, recall_pages=0)  # --recall-pages is the rsqr_recall arm's
     return PplConfig.make(
         args.text, quick=args.quick, tokens=args.tokens, windows=args.windows and _ints(args.windows, "--windows"),
         dtypes=args.dtypes and [d for d in args.dtypes.split(",") if d], policies=pols, bf16_policies=bf16,
-        cell_tokens=_cell_tokens(args.cell_tokens), sinks=args.sinks, delta=args.delta,
-        max_survivors=args.max_survivors, full_tokens=args.full_tokens, full_chunk=args.full_chunk,
-        replay_tokens=args.replay_tokens, replay_block=args.replay_block, bucket=args.bucket, segment=args.segment,
+        cell_tokens=_cell_tokens(args.cell_tokens), policy=base, full_tokens=args.full_tokens,
+        full_chunk=args.full_chunk, replay_tokens=args.replay_tokens, replay_block=args.replay_block, bucket=args.bucket, segment=args.segment,
         piece_segments=args.piece_segments, recall_pages=args.recall_pages, cold=cold)
 
 

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from rsqr_jax.policy import rsqr
 from rsqr_jax.studies import policy_table as policies
 from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.studies.policy_table import PoliciesConfig
@@ -28,8 +29,7 @@ KEYS = {"full/float32", "window/float32", "streamingllm/float32", "rsqr_delta0/f
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     text = write_text(tmp_path_factory.mktemp("text") / "t.txt")
-    config = PoliciesConfig(text, tokens=96, window=16, sinks=2, delta=4, max_survivors=8, segment=32, full_chunk=32,
-                            hf=False)
+    config = PoliciesConfig(text, tokens=96, policy=rsqr(16, 2, 4, 8), segment=32, full_chunk=32, hf=False)
     return config, policies.run(config, load, show_progress=False)
 
 
@@ -38,6 +38,8 @@ def test_tiny_rows_and_checks(tiny_run):
     res = result.to_json()
     assert list(res) == ["config", "rows", "checks", "timings", "total_wall_s", "total_cpu_s"]
     assert res["config"]["tokens"] == 96 and res["config"]["window"] == 16 and res["config"]["model"] == load().path
+    assert list(res["config"]) == ["text", "tokens", "window", "sinks", "delta", "max_survivors", "block", "overflow",
+                                   "quick", "segment", "model"]  # the layout rescore and older results share
     assert {r["key"] for r in res["rows"]} == KEYS | {"rsqr/bfloat16", "rerotate/bfloat16"}
     by = {r["key"]: r for r in res["rows"]}
     for r in res["rows"]:
@@ -120,7 +122,10 @@ def test_checks_on_crafted_nll():
 def test_config_refuses(kw, fragment):
     with pytest.raises(ConfigError, match=fragment):
         PoliciesConfig.make("t.txt", quick=True, **kw)
-    assert PoliciesConfig.make("t.txt", quick=True).tokens == 512 and PoliciesConfig.make("t.txt").window == 256
+    assert PoliciesConfig.make("t.txt", quick=True).tokens == 512 and PoliciesConfig.make("t.txt").policy.window == 256
+    assert PoliciesConfig.make("t.txt", quick=True).policy.window == 64
+    quick = PoliciesConfig.make("t.txt", quick=True, window=32, policy=rsqr(100, 2, 4, 8))
+    assert quick.policy.name == "rsqr(W=32, N=2, delta=4, S=8, fifo)"
 
 
 def test_cli_bad_input_is_one_line(tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rsqr_jax.policy import make_policy
 from rsqr_jax.studies import ppl
 from rsqr_jax.eval import perplexity as streams
 from rsqr_jax.eval.runtime import ConfigError
@@ -30,8 +31,8 @@ POLICIES = {"full", "window", "streamingllm", "leave_gaps", "rerotate", "rerotat
 def tiny(tmp_path_factory):
     """(config, result, out dir) of one tiny grid: 96 tokens, W=16, every policy; replay over 48 tokens."""
     text = write_text(tmp_path_factory.mktemp("text") / "t.txt")
-    config = PplConfig(text, tokens=96, windows=(16,), dtypes=("float32",), cell_tokens=(), sinks=2, delta=4,
-                       max_survivors=8, full_tokens=96, full_chunk=16, replay_tokens=48, replay_block=4, bucket=32,
+    config = PplConfig(text, tokens=96, windows=(16,), dtypes=("float32",), cell_tokens=(),
+                       policy=make_policy("rsqr", n_sink=2, delta=4, max_survivors=8), full_tokens=96, full_chunk=16, replay_tokens=48, replay_block=4, bucket=32,
                        segment=16, piece_segments=2)
     result = ppl.run(config, load, show_progress=False)
     out = tmp_path_factory.mktemp("tiny_ppl")
@@ -45,6 +46,10 @@ def test_shape_and_curves(tiny):
     assert list(res) == ["cells", "config", "timings", "total_wall_s", "total_cpu_s", "interrupted"]
     assert res["interrupted"] is None and result.interrupted is None
     assert res["config"]["windows"] == [16] and res["config"]["replay_tokens"] == {"16": 48}
+    assert list(res["config"]) == ["text", "tokens", "cell_tokens", "windows", "dtypes", "policies", "sinks", "delta",
+                                   "max_survivors", "overflow", "full_tokens", "full_chunk", "replay_tokens",
+                                   "replay_block", "bucket", "quick"]  # the layout merge and older results share
+    assert (res["config"]["sinks"], res["config"]["max_survivors"], res["config"]["overflow"]) == (2, 8, "fifo")
     (cell,) = res["cells"]
     assert cell["window"] == 16 and cell["tokens"] == 96 and set(cell["runs"]) == POLICIES and cell["n_common"] == 47
     for key, r in cell["runs"].items():
@@ -193,8 +198,8 @@ def test_recall_arm_rides_in_the_vmapped_cell(tmp_path):
     from rsqr_jax.spec import ColdStore
 
     text = write_text(tmp_path / "t.txt")
-    config = PplConfig(text, tokens=64, windows=(16,), dtypes=("float32",), cell_tokens=(), sinks=2, delta=4,
-                       max_survivors=4, full_tokens=64, full_chunk=16, bucket=32, segment=16,
+    config = PplConfig(text, tokens=64, windows=(16,), dtypes=("float32",), cell_tokens=(),
+                       policy=make_policy("rsqr", n_sink=2, delta=4, max_survivors=4), full_tokens=64, full_chunk=16, bucket=32, segment=16,
                        policies=("full", "rsqr", "rsqr_recall"), recall_pages=16, cold=ColdStore(64, 4))
     assert "rsqr_recall" not in PplConfig("t.txt").policies
     result = ppl.run(config, load, show_progress=False)

@@ -32,15 +32,20 @@ def check(policy) -> Policy:
     return policy
 
 
+def settings(policy: Policy, keys: tuple[str, ...]) -> dict:
+    """The policy's settings `keys`, by a study's names for them ("sinks" or "n_sink", "policy" for the mode)."""
+    named = policy.settings()
+    return {k: named[_SETTING.get(k, k)] for k in keys}
+
+
 def config_json(cfg, keys: tuple[str, ...]) -> dict:
-    """dataclasses.asdict(cfg) as a result writes it: the base policy in its place as its settings `keys` (by
-    the study's names: "sinks" or "n_sink", "policy" for the mode), input files by portable_path."""
+    """dataclasses.asdict(cfg) as a result writes it: the base policy in its place as its settings `keys`,
+    input files by portable_path."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, Policy):
-            settings = value.settings()
-            out.update({k: settings[_SETTING.get(k, k)] for k in keys})
+            out.update(settings(value, keys))
         elif f.name in _FILES and value is not None:
             out[f.name] = portable_path(value)
         else:

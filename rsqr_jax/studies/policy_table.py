@@ -21,21 +21,20 @@ from rsqr_jax import policy as P
 from rsqr_jax.eval.runtime import ConfigError, Timer, portable_path, read_tokens, status, write_json_atomic
 from rsqr_jax.eval.stats import block_bootstrap, check_finite, ppl
 from rsqr_jax.eval.perplexity import Model, hf_reference_nll, stream_policies
+from rsqr_jax.studies import base_policy
 
 REL_TOL = 1e-3  # rsqr(delta=0) vs streamingllm (and full vs HF), relative perplexity
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class PoliciesConfig:
-    """tokens T streamed; window W, sinks N, survivor stride delta, max survivors S (fifo), block 1.
-    segment: tokens per jitted call; full_chunk / hf_chunk: chunk of the full and torch runs."""
+    """tokens T streamed; policy: the base every run is derived from (window W, sinks N, survivor stride delta,
+    max survivors S, overflow, block; the library's defaults: block 1, fifo). segment: tokens per jitted call;
+    full_chunk / hf_chunk: chunk of the full and torch runs."""
 
     text: str
     tokens: int = 4096
-    window: int = 256
-    sinks: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policy: P.Policy = base_policy.field()
     segment: int = 256
     full_chunk: int = 256
     hf_chunk: int = 512
@@ -44,34 +43,34 @@ class PoliciesConfig:
     quick: bool = False
 
     @classmethod
-    def make(cls, text: str, *, quick: bool = False, tokens: int | None = None, window: int | None = None, **kw):
-        """The config with --quick's defaults (512 tokens, W=64) for what is not given."""
-        return cls(text, tokens=tokens or (512 if quick else 4096), window=window or (64 if quick else 256),
-                   quick=quick, **kw)
+    def make(cls, text: str, *, quick: bool = False, tokens: int | None = None, window: int | None = None,
+             policy: P.Policy | None = None, **kw):
+        """The config with --quick's defaults (512 tokens, W=64) for what is not given: the base policy's window
+        is `window`, else 64 with --quick, else its own (policy None: the library's defaults)."""
+        base = base_policy.check(policy) if policy is not None else P.make_policy("rsqr")
+        return cls(text, tokens=tokens or (512 if quick else 4096),
+                   policy=base.replace(window=window or (64 if quick else int(base.window))), quick=quick, **kw)
 
     def __post_init__(self):
-        if self.tokens < 2 * self.window:
-            raise ConfigError(f"--tokens {self.tokens} must be at least twice the window {self.window} "
-                              "(evictions must happen)")
+        W = int(base_policy.check(self.policy).window)
+        if self.tokens < 2 * W:
+            raise ConfigError(f"--tokens {self.tokens} must be at least twice the window {W} (evictions must happen)")
         if self.segment < 1 or self.full_chunk < 1 or self.hf_chunk < 1:
             raise ConfigError("--segment, --full-chunk and --hf-chunk must be positive")
         if self.segment % self.full_chunk:
             raise ConfigError("--full-chunk must divide --segment")
 
     def batches(self) -> tuple[dict, dict]:
-        """({key: Policy} of the float32 batch, of the bfloat16 batch)."""
-        W = self.window
-        pol = dict(window=W, n_sink=self.sinks, delta=self.delta, max_survivors=self.max_survivors, block=1)
-        f32 = {"window": P.make_policy("window", window=W),
-               "streamingllm": P.make_policy("streamingllm", window=W, n_sink=self.sinks),
-               "rsqr_delta0": P.make_policy("rsqr", **{**pol, "delta": 0}),
-               "rsqr": P.make_policy("rsqr", **pol),
-               "rerotate": P.make_policy("rerotate", **pol)}
-        return f32, {"rsqr": P.make_policy("rsqr", **pol), "rerotate": P.make_policy("rerotate", **pol)}
+        """({key: Policy} of the float32 batch, of the bfloat16 batch), each from the base policy."""
+        base = self.policy
+        f32 = {"window": base.replace(mode="window"), "streamingllm": base.replace(mode="streamingllm"),
+               "rsqr_delta0": base.replace(mode="rsqr", delta=0), "rsqr": base.replace(mode="rsqr"),
+               "rerotate": base.replace(mode="rerotate")}
+        return f32, {"rsqr": f32["rsqr"], "rerotate": f32["rerotate"]}
 
     def to_json(self, model_path: str) -> dict:
-        return {"text": portable_path(self.text), "tokens": self.tokens, "window": self.window, "sinks": self.sinks,
-                "delta": self.delta, "max_survivors": self.max_survivors, "block": 1, "overflow": "fifo",
+        keys = ("window", "sinks", "delta", "max_survivors", "block", "overflow")
+        return {"text": portable_path(self.text), "tokens": self.tokens, **base_policy.settings(self.policy, keys),
                 "quick": self.quick, "segment": self.segment, "model": model_path}
 
 

@@ -23,6 +23,7 @@ from rsqr_jax.eval.runtime import (ConfigError, Timer, portable_path, read_token
 from rsqr_jax.eval.stats import block_bootstrap, check_finite, ppl, ppl_curve
 from rsqr_jax.eval.perplexity import Interrupted, Model, stream_policies
 from rsqr_jax.spec import ColdStore
+from rsqr_jax.studies import base_policy
 
 VMAPPED = ("window", "streamingllm", "leave_gaps", "rerotate", "rerotate_b8", "rsqr", "rsqr_precompute", "rsqr_recall")
 ALL = ("full",) + VMAPPED + ("replay",)
@@ -36,13 +37,14 @@ DEFAULT_CELL_TOKENS = {(1024, "float32"): 3072, (256, "bfloat16"): 2048, (1024, 
 DTYPES = ("float32", "bfloat16")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class PplConfig:
     """tokens T per cell (cell_tokens: ((W, dtype), T) overrides); policies / bf16_policies: the subsets of
-    ALL run in float32 / bfloat16 cells; N sinks, delta, S max survivors (fifo); full_tokens (resolved cap,
-    <= tokens), replay_tokens (None: W + 512, quick W + 96), bucket: tokens per curve point; segment: tokens
-    per jitted call; piece_segments: segments per piece, the unit an interruption keeps; recall_pages / cold:
-    the recall tier of the rsqr_recall arm."""
+    ALL run in float32 / bfloat16 cells; policy: the base every run is derived from (its sinks, delta, max
+    survivors, overflow and block; mode and window are each run's); full_tokens (resolved cap, <= tokens),
+    replay_tokens (None: W + 512, quick W + 96), bucket: tokens per curve point; segment: tokens per jitted
+    call; piece_segments: segments per piece, the unit an interruption keeps; recall_pages / cold: the recall
+    tier of the rsqr_recall arm (the other runs recall nothing, so the pages are not the base policy's)."""
 
     text: str
     tokens: int = 4096
@@ -51,9 +53,7 @@ class PplConfig:
     policies: tuple[str, ...] = DEFAULT
     bf16_policies: tuple[str, ...] = BF16_DEFAULT
     cell_tokens: tuple[tuple[tuple[int, str], int], ...] = tuple(DEFAULT_CELL_TOKENS.items())
-    sinks: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policy: P.Policy = base_policy.field()
     full_tokens: int = 4096
     full_chunk: int = 256
     replay_tokens: int | None = None
@@ -93,6 +93,7 @@ class PplConfig:
                 raise ConfigError("token counts must be >= 2")
         if self.bucket < 1 or self.segment < 1 or self.full_chunk < 1 or self.segment % self.full_chunk:
             raise ConfigError("--bucket and --segment must be positive, and --full-chunk must divide --segment")
+        base_policy.check(self.policy)
 
     def pols(self, dtype: str) -> tuple[str, ...]:
         return self.policies if dtype == "float32" else self.bf16_policies
@@ -104,26 +105,22 @@ class PplConfig:
         return min(Tc, self.replay_tokens or W + (96 if self.quick else 512))
 
     def make_policy(self, key: str, W: int) -> P.Policy:
-        kw = dict(n_sink=self.sinks, delta=self.delta, max_survivors=self.max_survivors)
+        """Run `key` at window W, from the base policy."""
         if key == "full":
             return P.full()
-        if key == "window":
-            return P.make_policy("window", window=W)
-        if key == "streamingllm":
-            return P.make_policy("streamingllm", window=W, n_sink=self.sinks)
         if key == "rerotate_b8":
-            return P.make_policy("rerotate", window=W, block=8, **kw)
+            return self.policy.replace(mode="rerotate", window=W, block=8)
         if key == "replay":
-            return P.make_policy("replay", window=W, block=self.replay_block, **kw)
+            return self.policy.replace(mode="replay", window=W, block=self.replay_block)
         if key == "rsqr_recall":
-            return P.make_policy("rsqr", window=W, recall_pages=self.recall_pages, **kw)
-        return P.make_policy(key, window=W, **kw)
+            return self.policy.replace(mode="rsqr", window=W, recall_pages=self.recall_pages)
+        return self.policy.replace(mode=key, window=W)
 
     def to_json(self) -> dict:
         return {"text": portable_path(self.text), "tokens": self.tokens,
                 "cell_tokens": {f"{w}/{d}": n for (w, d), n in self.cell_tokens}, "windows": list(self.windows),
                 "dtypes": list(self.dtypes), "policies": {d: list(self.pols(d)) for d in DTYPES},
-                "sinks": self.sinks, "delta": self.delta, "max_survivors": self.max_survivors, "overflow": "fifo",
+                **base_policy.settings(self.policy, ("sinks", "delta", "max_survivors", "overflow")),
                 "full_tokens": self.full_tokens, "full_chunk": self.full_chunk,
                 "replay_tokens": {str(W): self.replay_T(W, self.tokens) for W in self.windows},
                 "replay_block": self.replay_block, "bucket": self.bucket, "quick": self.quick,
