@@ -20,7 +20,7 @@ import json
 import os
 
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_model_args, load_model_from_args,
-                     run_main)
+                     policy_from_args, run_main)
 
 
 def build_parser() -> Parser:
@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = B.BenchConfig(text=args.text, cached=tuple(args.cached), new=args.new, repeats=args.repeats,
                            prefill_chunk=args.prefill_chunk, threads=args.threads, single_thread=args.single_thread,
-                           policy=args.policy, window=args.window, sinks=args.sinks, delta=args.delta,
-                           max_survivors=args.max_survivors, block=args.block, overflow=args.overflow,
-                           dtype=args.dtype, sampled=not args.no_sampled)
+                           policy=policy_from_args(args), dtype=args.dtype, sampled=not args.no_sampled)
     config = config.quick() if args.quick else config
     config.check()  # before the model loads
     if not args.no_hf and args.dtype != "float32":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_model_args, load_model_from_args,
-                     run_main, status)
+                     policy_from_args, run_main, status)
 
 
 def build_parser() -> Parser:
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = B.BenchStreamsConfig(text=args.text, streams=tuple(args.streams), prompt_len=args.prompt_len,
                                   new=args.new, repeats=args.repeats, prefill_chunk=args.prefill_chunk,
-                                  policy=args.policy, window=args.window, sinks=args.sinks, delta=args.delta,
-                                  max_survivors=args.max_survivors, block=args.block, overflow=args.overflow,
+                                  policy=policy_from_args(args, recall_pages=0),  # no cold store here
                                   dtype=args.dtype, gen_block=args.gen_block, join_len=args.join)
     config = config.quick() if args.quick else config
     config.check()  # before the model loads

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 
-from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_recall_args, check_model_args, cold_store_from_args,
-                     load_model_from_args, run_main)
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, add_recall_args, check_model_args,
+                               cold_store_from_args, load_model_from_args, policy_from_args, run_main)
 
 from rsqr_jax.studies import latency as L
 from rsqr_jax.eval.runtime import status
@@ -30,10 +30,7 @@ def build_parser() -> Parser:
     p.add_argument("--replay-steps", type=int, default=96, help="timed steps per probe for replay (expensive)")
     p.add_argument("--full-max", type=int, default=8192, help="largest probe position for full attention")
     p.add_argument("--policies", nargs="+", default=list(L.POLICIES), help=f"subset of {', '.join(L.POLICIES)}")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--delta", type=int, default=8)
-    p.add_argument("--max-survivors", type=int, default=64)
+    add_policy_args(p, flags=("window", "sinks", "delta", "max_survivors"), recall=False, window=512)
     p.add_argument("--sweep-position", type=int, default=4096)
     p.add_argument("--sweep-steps", type=int, default=96)
     p.add_argument("--no-sweep", action="store_true", help="skip the W/delta/block tail sweep")
@@ -57,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     cold = cold_store_from_args(args) or ColdStore()
     config = L.LatencyConfig(text=args.text, positions=tuple(args.positions), steps=args.steps,
                              replay_steps=args.replay_steps, full_max=args.full_max, policies=tuple(args.policies),
-                             window=args.window, sinks=args.sinks, delta=args.delta,
-                             max_survivors=args.max_survivors, sweep_position=args.sweep_position,
+                             policy=policy_from_args(args, recall_pages=0),  # --recall-pages: rsqr_recall's
+                             sweep_position=args.sweep_position,
                              sweep_steps=args.sweep_steps, no_sweep=args.no_sweep, seed=args.seed,
                              dtype=args.dtype, progress=not args.no_progress, recall_pages=args.recall_pages,
                              cold=cold)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 
-from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, UsageError, add_model_args, check_model_args, load_model_from_args,
-                     run_main)
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, UsageError, add_model_args, add_policy_args, check_model_args,
+                               load_model_from_args, policy_from_args, run_main)
 
 from rsqr_jax.studies import soak as S
 from rsqr_jax.eval.runtime import status
@@ -31,10 +31,7 @@ def build_parser() -> Parser:
     p.add_argument("--tokens", type=int, default=100_000, help="stream length (tokens fed, one per step)")
     p.add_argument("--policies", nargs="+", default=["rsqr", "streamingllm"], help="rsqr and/or streamingllm "
                    "(or any mode; all use the W/N/delta/S flags below)")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--delta", type=int, default=8)
-    p.add_argument("--max-survivors", type=int, default=64)
+    add_policy_args(p, flags=("window", "sinks", "delta", "max_survivors"), recall=False, window=512)
     p.add_argument("--warmup", type=int, default=1000, help="tokens before the baselines are taken")
     p.add_argument("--latency-window", type=int, default=1000, help="tokens in the first/last latency windows")
     p.add_argument("--check-every", type=int, default=1000, help="tokens between memory checkpoints")
@@ -87,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     check_model_args(args)
     if args.quick:
         args.tiny, args.tokens = True, 5000
-    config = S.SoakConfig(text=args.text, tokens=args.tokens, policies=tuple(args.policies), window=args.window,
-                          sinks=args.sinks, delta=args.delta, max_survivors=args.max_survivors, warmup=args.warmup,
+    config = S.SoakConfig(text=args.text, tokens=args.tokens, policies=tuple(args.policies),
+                          policy=policy_from_args(args), warmup=args.warmup,
                           latency_window=args.latency_window, check_every=args.check_every,
                           rss_tolerance=args.rss_tolerance, latency_tolerance=args.latency_tolerance,
                           separate=args.separate, cache_dtype=args.cache_dtype, progress=not args.no_progress)

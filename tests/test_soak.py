@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rsqr_jax.policy import make_policy
 from rsqr_jax.studies import soak as S
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.testing.tokenizer import ByteTokenizer
@@ -81,7 +82,7 @@ def test_soak_5000_tokens_tiny_model(model, text, tmp_path):
     assert (tmp_path / "soak.png").stat().st_size > 10_000
 
 
-SHORT = dict(tokens=400, warmup=100, latency_window=100, check_every=100, window=32)
+SHORT = dict(tokens=400, warmup=100, latency_window=100, check_every=100, policy=make_policy("rsqr", window=32))
 
 
 def test_soak_reports_a_failed_criterion(model, text):

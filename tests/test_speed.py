@@ -170,8 +170,8 @@ def test_latency_run_on_the_tiny_model(tmp_path):
     (tmp_path / "t.txt").write_text(TEXT)
     N, cap = 2, 4
     config = L.LatencyConfig(text=str(tmp_path / "t.txt"), positions=(40, 90), steps=8, replay_steps=8, full_max=40,
-                             policies=("full", "rsqr", "replay_b8", "rsqr_recall"), window=16, sinks=N, delta=3,
-                             max_survivors=cap, no_sweep=True, progress=False, recall_pages=2, cold=ColdStore(32, 4))
+                             policies=("full", "rsqr", "replay_b8", "rsqr_recall"), policy=P.rsqr(16, N, 3, cap),
+                             no_sweep=True, progress=False, recall_pages=2, cold=ColdStore(32, 4))
     res = L.run(config, apply_fn, params, CFG, ByteTokenizer(CFG.vocab_size))
     pols = res.data["policies"]
     assert list(pols) == ["full", "rsqr", "replay_b8", "rsqr_recall"]
@@ -216,6 +216,6 @@ def test_bench_decode_matches_hf_greedy_on_the_tiny_model(tmp_path):
     # the chat sampler is timed next to greedy, and the sampler alone against the former full sort
     assert all(r["sampled_tok_s"] > 0 for r in res.data["rows"]) and "sampled tok/s" in res.markdown()
     assert set(res.data["sampler_ms"]) >= {"greedy_no_ring", "chat_chain", "full_sort_former"}
-    bounded = B.run(dataclasses.replace(config, policy="rsqr", cached=(32,)), apply_fn, params, CFG, tok)
+    bounded = B.run(dataclasses.replace(config, policy=P.rsqr(), cached=(32,)), apply_fn, params, CFG, tok)
     (row,) = bounded.data["rows"]
     assert row["cached_after_decode_ours"] == 32 and row["prompt_tokens_ours"] == 88 and "hf_tok_s" not in row

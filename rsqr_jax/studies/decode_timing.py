@@ -28,15 +28,17 @@ import numpy as np
 
 from rsqr_jax.cache import cached_positions
 from rsqr_jax.eval.runtime import ConfigError, read_tokens, status, write_json_atomic
-from rsqr_jax.policy import Policy, make_policy
+from rsqr_jax.policy import FULL, Policy
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, sample
 from rsqr_jax.session import Session
 from rsqr_jax.spec import CacheSpec
+from rsqr_jax.studies import base_policy
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class BenchConfig:
-    """One benchmark: a row per cached count. threads: torch threads for HF."""
+    """One benchmark: a row per cached count. threads: torch threads for HF. policy: the base each row's policy
+    is sized from (its mode, sinks, delta, survivor cap, block and overflow; the window fills the row)."""
 
     text: str
     cached: tuple[int, ...] = (128, 1024, 2048)
@@ -45,13 +47,7 @@ class BenchConfig:
     prefill_chunk: int = 64
     threads: int = 2
     single_thread: bool = False  # recorded only: the caller pins the process to one core
-    policy: str = "full"
-    window: int = 256
-    sinks: int = 4
-    delta: int = 8
-    max_survivors: int = 64
-    block: int = 1
-    overflow: str = "fifo"
+    policy: Policy = base_policy.field("full")
     dtype: str = "float32"
     sampled: bool = True  # also time the chat sampler (end to end and alone)
 
@@ -59,7 +55,12 @@ class BenchConfig:
         """The small CI run: C = 64 128, 8 new tokens, 1 repeat."""
         return dataclasses.replace(self, cached=(64, 128), new=8, repeats=1)
 
+    @property
+    def full(self) -> bool:
+        return int(self.policy.mode) == FULL
+
     def check(self) -> None:
+        base_policy.check(self.policy)
         if self.new < 1 or self.repeats < 1 or min(self.cached) < 1 or self.threads < 1:
             raise ConfigError("--new, --repeats, --threads and --cached must be positive")
         for c in self.cached:  # bad policy flags fail before the model loads
@@ -67,17 +68,16 @@ class BenchConfig:
 
     def policy_for(self, cached: int) -> tuple[Policy, int]:
         """(policy, prompt length): a policy whose cache holds `cached` tokens once the prompt is fed."""
-        mode = self.policy
-        if mode == "full":
-            return make_policy("full"), cached
-        n_sink = 0 if mode == "window" else self.sinks
-        delta = 0 if mode in ("window", "streamingllm") else self.delta
-        surv = min(self.max_survivors, cached // 4) if delta else 0
+        if self.full:
+            return self.policy, cached
+        base = self.policy.settings()  # window has no sinks, window and streamingllm no survivors
+        n_sink, delta = base["n_sink"], base["delta"]
+        surv = min(base["max_survivors"], cached // 4) if delta else 0
         window = cached - n_sink - surv
         if window < max(self.prefill_chunk, 1):
-            raise ConfigError(f"cached {cached} is too small for {mode} with {n_sink} sinks and {surv} survivors")
-        pol = make_policy(mode, window=window, n_sink=n_sink, delta=delta, max_survivors=max(surv, 1),
-                          block=self.block, overflow=self.overflow)
+            raise ConfigError(f"cached {cached} is too small for {base['mode']} with {n_sink} sinks and {surv} "
+                              "survivors")
+        pol = self.policy.replace(window=window, max_survivors=max(surv, 1))
         # enough tokens that every survivor slot is taken: N + S*delta + W (rounded up to whole chunks later)
         prompt = n_sink + surv * max(delta, 1) + window if delta else cached + self.prefill_chunk
         return pol, prompt
@@ -252,11 +252,9 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
     rows = []
     for cached in config.cached:
         policy, prompt_len = config.policy_for(cached)
-        prompt_len = round_up(prompt_len, chunk) if config.policy != "full" else prompt_len
-        max_len = round_up(prompt_len + config.new + 1) if config.policy == "full" else 0
-        spec = CacheSpec.for_policies(policy, num_layers=model_config.num_layers,
-                                      num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-                                      dtype=config.dtype, max_chunk=chunk, max_len=max_len)
+        prompt_len = round_up(prompt_len, chunk) if not config.full else prompt_len
+        max_len = round_up(prompt_len + config.new + 1) if config.full else 0
+        spec = CacheSpec.for_policies(policy, dims=model_config, dtype=config.dtype, max_chunk=chunk, max_len=max_len)
         # Equal Sessions share one compilation (their Decoders compare equal): a fresh one per measurement.
         new_session = lambda sampling=Sampling(): Session(apply_fn, params, spec, policy,  # noqa: E731
                                                           prefill_chunk=chunk, sampling=sampling, seed=0)
@@ -294,14 +292,14 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
         if s_meas:
             row.update(sampled_tok_s=config.new / min(s_meas), sampled_ms_per_token=1e3 * min(s_meas) / config.new,
                        sampled_tok_s_all=[config.new / d for d in s_meas])
-        if config.policy != "full":
+        if not config.full:
             row["cached_after_decode_ours"] = len(cached_positions(s.cache, s.policy))
         if hf_model is not None:
             h_best, h_cpu = min(d for _, d, _ in h_meas), min(c for _, _, c in h_meas)
             row.update(hf_tok_s=config.new / h_best, hf_ms_per_token=1e3 * h_best / config.new,
                        hf_tok_s_all=[config.new / d for _, d, _ in h_meas], hf_prefill_s=min(p for p, _, _ in h_meas),
                        hf_cpu_ms_per_token=1e3 * h_cpu / config.new, ratio=h_best / o_best, cpu_ratio=h_cpu / o_cpu)
-            if config.policy == "full":
+            if config.full:
                 first_diff = next((i for i, (a, b) in enumerate(zip(o_toks, h_toks)) if a != b), None)
                 row.update(greedy_agreement=float(np.mean(np.asarray(o_toks) == np.asarray(h_toks[:len(o_toks)]))),
                            first_divergence=first_diff)
@@ -316,7 +314,8 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
         import transformers
 
         machine.update(torch=torch.__version__, transformers=transformers.__version__)
-    data = {"args": {**dataclasses.asdict(config), **(meta or {})}, "rows": rows, "machine": machine}
+    keys = ("policy", "window", "sinks", "delta", "max_survivors", "block", "overflow")
+    data = {"args": {**base_policy.config_json(config, keys), **(meta or {})}, "rows": rows, "machine": machine}
     if config.sampled:
         data.update(sampling=CHAT_SAMPLING.to_json(), sampler_ms=sampler_costs(model_config.vocab_size))
     return BenchResult(data)

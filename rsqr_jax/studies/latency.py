@@ -29,9 +29,10 @@ import numpy as np
 
 from rsqr_jax.cache import init_cache
 from rsqr_jax.eval.runtime import ConfigError, progress, read_text, status, write_json_atomic
-from rsqr_jax.policy import Policy, make_policy, window_start
+from rsqr_jax.policy import Policy, window_start
 from rsqr_jax.session import Session
 from rsqr_jax.spec import CacheSpec, ColdStore
+from rsqr_jax.studies import base_policy
 from rsqr_jax.update import commit, plan_step
 
 # name -> (mode, overrides of the base policy)
@@ -61,9 +62,11 @@ SWEEP = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class LatencyConfig:
-    """One latency run. `text` feeds the (untimed) token that steps into each probe position."""
+    """One latency run. `text` feeds the (untimed) token that steps into each probe position. policy: the base
+    of every measured policy (POLICIES and SWEEP set their mode and overrides on it; rsqr_recall's pages are
+    recall_pages, the other policies recall nothing)."""
 
     text: str
     positions: tuple[int, ...] = (1000, 2000, 5000, 10000, 20000, 50000)
@@ -71,10 +74,7 @@ class LatencyConfig:
     replay_steps: int = 96  # replay is expensive
     full_max: int = 8192  # largest probe position for full attention
     policies: tuple[str, ...] = tuple(POLICIES)
-    window: int = 512
-    sinks: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policy: Policy = base_policy.field(window=512)
     sweep_position: int = 4096
     sweep_steps: int = 96
     no_sweep: bool = False
@@ -86,10 +86,11 @@ class LatencyConfig:
 
     def quick(self) -> "LatencyConfig":
         """The small CI run: positions 512 and 2048, W=128, 24 steps, no sweep."""
-        return dataclasses.replace(self, positions=(512, 2048), steps=24, replay_steps=8, window=128,
-                                   full_max=2048, no_sweep=True)
+        return dataclasses.replace(self, positions=(512, 2048), steps=24, replay_steps=8,
+                                   policy=self.policy.replace(window=128), full_max=2048, no_sweep=True)
 
     def check(self) -> None:
+        base_policy.check(self.policy)
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise ConfigError(f"unknown policy name(s) {', '.join(bad)}: choose from {', '.join(POLICIES)}")
@@ -98,12 +99,12 @@ class LatencyConfig:
         if self.steps < 8 or self.replay_steps < 8:
             raise ConfigError("--steps and --replay-steps must be >= 8")
 
-    def policy(self, mode: str, overrides: dict) -> Policy:
-        kw = dict(window=self.window, n_sink=self.sinks, delta=self.delta, max_survivors=self.max_survivors, block=1)
+    def derived(self, mode: str, overrides: dict) -> Policy:
+        """The base policy in `mode` with `overrides` ("recall": True = recall_pages)."""
         over = dict(overrides)
         if over.pop("recall", False):
             over["recall_pages"] = self.recall_pages
-        return make_policy(mode, **(kw | over))
+        return self.policy.replace(mode=mode, **over)
 
 
 def round_up(n: int, m: int = 64) -> int:
@@ -202,10 +203,10 @@ def memory_table(cfg: LatencyConfig, model_config) -> list[dict]:
     out = []
     for W in (256, 512, 1024, 2048):
         for d in (4, 8, 16, 32):
-            pol = make_policy("rsqr", window=W, n_sink=cfg.sinks, delta=d, max_survivors=cfg.max_survivors)
+            pol = cfg.derived("rsqr", {"window": W, "delta": d})
             spec = _spec(pol, model_config, cfg.dtype)
             b = spec.bytes_by_part(pol)
-            out.append({"W": W, "delta": d, "max_survivors": cfg.max_survivors,
+            out.append({"W": W, "delta": d, "max_survivors": int(pol.max_survivors),
                         "shadow_slots": b["shadow"] // spec.entry_bytes,
                         "survivor_slots": b["survivors"] // spec.entry_bytes,
                         **{f"{k}_bytes": int(v) for k, v in b.items()}})
@@ -214,8 +215,7 @@ def memory_table(cfg: LatencyConfig, model_config) -> list[dict]:
 
 def _spec(pol: Policy, model_config, dtype: str, max_len: int = 0, cold: ColdStore = ColdStore()) -> CacheSpec:
     recalls = int(np.asarray(pol.recall_pages)) > 0
-    return CacheSpec.for_policies(pol, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                                  head_dim=model_config.head_dim, dtype=dtype, max_chunk=1, max_len=max_len,
+    return CacheSpec.for_policies(pol, dims=model_config, dtype=dtype, max_chunk=1, max_len=max_len,
                                   cold=cold if recalls else None)
 
 
@@ -352,7 +352,8 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
         return row
 
     status(f"backend {jax.default_backend()}; load average {os.getloadavg()}")
-    data = {"args": {**dataclasses.asdict(config), **(meta or {})}, "policies": {}, "sweep": [],
+    args = base_policy.config_json(config, ("window", "sinks", "delta", "max_survivors"))
+    data = {"args": {**args, **(meta or {})}, "policies": {}, "sweep": [],
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                         "loadavg_start": os.getloadavg()}}
     # All sessions stay alive and every probe position is measured for every policy before moving on, so
@@ -364,7 +365,7 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
         full_positions.append(config.full_max)
     for name in config.policies:
         mode, over = POLICIES[name]
-        pol = config.policy(mode, over)
+        pol = config.derived(mode, over)
         entries[name] = {"policy": pol.name, "mode": mode, "probes": []}
         if mode != "full":
             s, spec, compile_s = session(pol)
@@ -384,7 +385,7 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
                 if mode == "full":  # one cache per probe, sized to it: attention must not pay for empty capacity
                     if pos not in full_positions:
                         continue
-                    pol = config.policy(mode, over)
+                    pol = config.derived(mode, over)
                     s, spec, _ = session(pol, max_len=round_up(pos + n_steps + 2))
                     entries[name]["probes"].append(probe(s, mode, pos, n_steps) | {
                         "win_capacity": spec.win_capacity, "cache_bytes": spec.bytes_by_part(pol)})
@@ -407,7 +408,7 @@ def run(config: LatencyConfig, apply_fn, params, model_config, tokenizer, *, met
     sessions.clear()
     if not config.no_sweep:
         for name, mode, over in SWEEP:
-            pol = config.policy(mode, over)
+            pol = config.derived(mode, over)
             s, spec, _ = session(pol)
             n = config.sweep_steps if mode != "replay" else max(config.replay_steps, 8 * over.get("block", 1))
             r = probe(s, mode, config.sweep_position, n)

@@ -34,8 +34,9 @@ from rsqr_jax import engine
 from rsqr_jax.engine import Decoder
 from rsqr_jax.eval.runtime import (ConfigError, progress, read_text, read_tokens, sigterm_interrupts, status,
                                          write_json_atomic)
-from rsqr_jax.policy import make_policy, stack_policies
+from rsqr_jax.policy import Policy, stack_policies
 from rsqr_jax.spec import CacheSpec
+from rsqr_jax.studies import base_policy
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CRITERIA = ("cache_bytes_constant", "rss_growth", "finite_logits", "no_recompile", "flat_latency")
@@ -43,17 +44,15 @@ CRITERIA = ("cache_bytes_constant", "rss_growth", "finite_logits", "no_recompile
 TINY_MODEL = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=49152, theta=1e5)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class SoakConfig:
-    """One soak. The KV cache is bfloat16 by default; weights are whatever the caller loaded."""
+    """One soak. The KV cache is bfloat16 by default; weights are whatever the caller loaded. policies: modes,
+    each the base policy (`policy`) in that mode."""
 
     text: str
     tokens: int = 100_000
-    policies: tuple[str, ...] = ("rsqr", "streamingllm")  # any modes; all use the W/N/delta/S below
-    window: int = 512
-    sinks: int = 4
-    delta: int = 8
-    max_survivors: int = 64
+    policies: tuple[str, ...] = ("rsqr", "streamingllm")  # any modes, all of the base policy below
+    policy: Policy = base_policy.field(window=512)
     warmup: int = 1000  # tokens before the baselines are taken
     latency_window: int = 1000  # tokens in the first/last latency windows
     check_every: int = 1000  # tokens between memory checkpoints
@@ -75,8 +74,7 @@ class SoakConfig:
         self.make_policies()
 
     def make_policies(self):
-        return [make_policy(m, window=self.window, n_sink=self.sinks, delta=self.delta,
-                            max_survivors=self.max_survivors) for m in self.policies]
+        return [base_policy.check(self.policy).replace(mode=m) for m in self.policies]
 
 
 def floor_ratio(lat_ms, start: int, width: int) -> dict:
@@ -202,8 +200,7 @@ def run(config: SoakConfig, apply_fn, params, model_config, tokenizer, *, meta: 
     t_start = time.perf_counter()
     T, P = config.tokens, len(policies)
     stream = stream_ids(tokenizer, config.text, T + 1)
-    kw = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-              head_dim=model_config.head_dim, dtype=config.cache_dtype)
+    kw = dict(dims=model_config, dtype=config.cache_dtype)
     if config.separate:  # one Decoder per policy, policy as data
         specs = [CacheSpec.for_policies(p, **kw) for p in policies]
         runs = [(Decoder(apply_fn, s), p) for s, p in zip(specs, policies)]
@@ -278,7 +275,8 @@ def run(config: SoakConfig, apply_fn, params, model_config, tokenizer, *, meta: 
         ppl = {p.name: [float(math.exp(float(nll[i, s:min(s + bucket, n)].mean()))) for s in range(0, n, bucket)]
                for i, p in enumerate(policies)}
         return SoakResult({
-            "args": {**dataclasses.asdict(config), **(meta or {})},
+            "args": {**base_policy.config_json(config, ("window", "sinks", "delta", "max_survivors")),
+                     **(meta or {})},
             "policies": [p.name for p in policies], "tokens": n, "tokens_requested": T, "complete": n == T,
             "verdict": "PASS" if all(c["pass"] for c in crit.values()) else "FAIL",
             "criteria": crit, "loop_s": time.perf_counter() - t_loop, "ms_per_token_mean": float(lat[W0:].mean()),

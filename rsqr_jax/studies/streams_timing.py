@@ -24,12 +24,13 @@ import time
 import jax
 
 from rsqr_jax.eval.runtime import ConfigError, read_tokens, status, write_json_atomic
-from rsqr_jax.policy import make_policy
+from rsqr_jax.policy import Policy
 from rsqr_jax.spec import CacheSpec
+from rsqr_jax.studies import base_policy
 from rsqr_jax.streams import Request, StreamScheduler
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class BenchStreamsConfig:
     text: str
     streams: tuple[int, ...] = (1, 4, 16)
@@ -37,13 +38,7 @@ class BenchStreamsConfig:
     new: int = 64
     repeats: int = 2  # timed runs per row (the best is reported)
     prefill_chunk: int = 64
-    policy: str = "rsqr"
-    window: int = 256
-    sinks: int = 4
-    delta: int = 8
-    max_survivors: int = 64
-    block: int = 1
-    overflow: str = "fifo"
+    policy: Policy = base_policy.field()
     dtype: str = "float32"
     gen_block: int = 16
     join_len: int = 0  # > 0: the join-stall mode (see the module docstring)
@@ -56,10 +51,6 @@ class BenchStreamsConfig:
                                        join_len=min(self.join_len, 32), prefill_chunk=min(self.prefill_chunk, 8))
         return dataclasses.replace(self, streams=(1, 4), prompt_len=16, new=8, repeats=1)
 
-    def make_policy(self):
-        return make_policy(self.policy, window=self.window, n_sink=self.sinks, delta=self.delta,
-                           max_survivors=self.max_survivors, block=self.block, overflow=self.overflow)
-
     def check(self) -> None:
         if not self.streams or min(self.streams) < 1:
             raise ConfigError("--streams must be positive counts")
@@ -70,7 +61,7 @@ class BenchStreamsConfig:
         if self.join_len and self.new <= self.gen_block:
             raise ConfigError(f"--join needs --new > --gen-block ({self.new} <= {self.gen_block}): the others must "
                               "still be generating when the prompt joins")
-        self.make_policy()  # bad policy flags fail before the model loads
+        base_policy.check(self.policy)
 
 
 @dataclasses.dataclass
@@ -166,18 +157,21 @@ def _run_join(config: BenchStreamsConfig, apply_fn, params, model_config, spec, 
     return rows, match
 
 
+def _config_json(config: BenchStreamsConfig) -> dict:
+    return base_policy.config_json(config, ("policy", "window", "sinks", "delta", "max_survivors", "block", "overflow"))
+
+
 def run(config: BenchStreamsConfig, apply_fn, params, model_config, tokenizer, *, meta: dict | None = None
         ) -> BenchStreamsResult:
     config.check()
-    policy = config.make_policy()
+    policy = config.policy
     n_max = max(config.streams)
     ids = read_tokens(tokenizer, config.text, n_max * config.prompt_len + config.join_len)
     prompts = [tuple(int(t) for t in ids[i * config.prompt_len:(i + 1) * config.prompt_len]) for i in range(n_max)]
     if len(prompts[-1]) < config.prompt_len:
         raise ConfigError(f"the text has fewer than {n_max * config.prompt_len} tokens")
-    chunk = min(config.prefill_chunk, config.window) if config.policy != "full" else config.prefill_chunk
-    spec = CacheSpec.for_policies(policy, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                                  head_dim=model_config.head_dim, dtype=config.dtype, max_chunk=chunk,
+    chunk = min(config.prefill_chunk, int(policy.window))  # full's window is unbounded
+    spec = CacheSpec.for_policies(policy, dims=model_config, dtype=config.dtype, max_chunk=chunk,
                                   max_len=-(-(max(config.prompt_len, config.join_len) + config.new) // 64) * 64)
     platform_name = (f"{jax.default_backend()} ({platform.processor() or platform.machine()}, "
                      f"{os.cpu_count()} cores)")
@@ -186,7 +180,7 @@ def run(config: BenchStreamsConfig, apply_fn, params, model_config, tokenizer, *
         if len(joiner) < config.join_len:
             raise ConfigError(f"the text has fewer than {n_max * config.prompt_len + config.join_len} tokens")
         rows, match = _run_join(config, apply_fn, params, model_config, spec, policy, chunk, prompts, joiner)
-        return BenchStreamsResult(dict(config=dataclasses.asdict(config), rows=rows, outputs_match=match,
+        return BenchStreamsResult(dict(config=_config_json(config), rows=rows, outputs_match=match,
                                        platform=platform_name, policy_name=policy.name, meta=meta or {}))
     rows, first = [], []
     for n in config.streams:
@@ -211,6 +205,6 @@ def run(config: BenchStreamsConfig, apply_fn, params, model_config, tokenizer, *
     for r in rows:
         r["ratio_vs_1"] = r["tok_s"] / base["tok_s"]
         r["gen_ratio_vs_1"] = r["gen_tok_s"] / base["gen_tok_s"]
-    data = dict(config=dataclasses.asdict(config), rows=rows, outputs_match=all(f == first[0] for f in first),
+    data = dict(config=_config_json(config), rows=rows, outputs_match=all(f == first[0] for f in first),
                 platform=platform_name, policy_name=policy.name, meta=meta or {})
     return BenchStreamsResult(data)
