@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_recall_args, check_model_args,
-                     cold_store_flags, run_main)
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, add_recall_args, check_model_args,
+                     cold_store_flags, policy_from_args, run_main)
 
 from rsqr_jax.studies import recall_probe as recall
 
@@ -40,11 +40,10 @@ def build_parser() -> Parser:
     p.add_argument("--bf16-cycles", default=None, help="n_cycles checkpoints in bfloat16 (default: up to 16)")
     p.add_argument("--unprotected-cycles", default=None, help="n_cycles for the unprotected variant (default: <= 4)")
     p.add_argument("--unprotected-arms", default=None, help="arms of the unprotected variant (default: all)")
-    p.add_argument("--window", type=int, default=24)
-    p.add_argument("--block", type=int, default=8, help="eviction block = streaming chunk")
-    p.add_argument("--cycle-len", type=int, default=16, help="filler tokens per cycle")
-    p.add_argument("--delta", type=int, default=8, help="rsqr survivor stride")
+    # the sinks are each variant's, the cap the rsqr_cap arm's (rsqr's is uncapped), the block the streaming chunk
+    add_policy_args(p, flags=("window", "delta", "block"), recall=False, window=24, block=8)
     p.add_argument("--cap", type=int, default=16, help="rsqr_cap max_survivors")
+    p.add_argument("--cycle-len", type=int, default=16, help="filler tokens per cycle")
     p.add_argument("--gen-tokens", type=int, default=10, help="greedy answer tokens")
     p.add_argument("--batch", type=int, default=40, help="trials per batch (rows of one forward)")
     p.add_argument("--seed", type=int, default=0)
@@ -69,8 +68,9 @@ def config_from_args(args) -> recall.RecallConfig:
                                      ("unprotected_arms", args.unprotected_arms, recall.ARMS))}
     return recall.make_config(
         args.filler, quick=args.quick, trials=args.trials, n_facts=args.n_facts, **ints, **choices,
-        facts=args.facts, preamble=args.preamble, window=args.window, block=args.block, cycle_len=args.cycle_len,
-        delta=args.delta, cap=args.cap, recall_pages=args.recall_pages, cold=cold_store_flags(args),
+        facts=args.facts, preamble=args.preamble, cycle_len=args.cycle_len,
+        policy=policy_from_args(args, max_survivors=args.cap, recall_pages=0),  # --recall-pages: rsqr_recall's
+        recall_pages=args.recall_pages, cold=cold_store_flags(args),
         gen_tokens=args.gen_tokens, batch=args.batch, seed=args.seed,
         model=args.model, dtype=args.dtype, kernel=args.kernel)
 

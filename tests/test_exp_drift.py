@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rsqr_jax import policy as P
 from rsqr_jax.studies import drift
 from rsqr_jax.eval.runtime import ConfigError
 from tests.cli import assert_one_line_error, run_in_process, run_script
@@ -143,7 +144,7 @@ def tiny():
 
 def _tiny_config(**kw):
     small = dict(n_random=256, grid_keys=128, rotations=(1, 2, 10, 100, 1000), capture_tokens=64, att_windows=(16,),
-                 att_uniform_W=16, model_configs=((16, 1), (16, 4)), surv_config=drift.SurvivorConfig(16, 4, 4, 1),
+                 att_uniform_W=16, model_configs=((16, 1), (16, 4)), surv_policy=P.rsqr(16, 4, 4, 4),
                  oracle_tokens=16, oracle_configs="both", precisions=("f32", "f32+bf16cache", "bf16", drift.START_PRECISION),
                  seed=SEED)
     return drift.DriftConfig.quick_run(**{**small, **kw})
@@ -168,6 +169,8 @@ def test_tiny_properties(tiny_run):
     res, _, _ = tiny_run
     check_all(res.data)
     assert res.data["config"]["seed"] == SEED and res.data["config"]["quick"] is True
+    assert res.data["config"]["surv_config"] == {"window": 16, "delta": 4, "max_survivors": 4, "block": 1}
+    assert "W=16,b=1,delta=4,S=4" in res.data["model"]["configs"]
 
 
 def test_tiny_oracle_and_compilations(tiny_run):
@@ -250,8 +253,6 @@ def _plan_trace(T: int):
 
 
 def _rotation_policy(mode, kw):
-    from rsqr_jax import policy as P
-
     return P.make_policy(mode, n_sink=2, **{"delta": 0, **kw})
 
 

@@ -321,9 +321,8 @@ def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch):
     ({"dtypes": "float16"}, "--dtypes: unknown float16"),
     ({"arms": "rsqr,sinkcache"}, "--arms: unknown sinkcache"),
     ({"trials": 0}, "--trials must be >= 1"),
-    ({"block": 32}, "must not exceed --window"),
+    ({"policy": P.make_policy("rsqr", window=24, block=32)}, "--block 32 must not exceed --window 24"),
     ({"gen_tokens": 1}, "--gen-tokens must be >= 2"),
-    ({"delta": -1}, "--delta must be >= 0"),
     ({"preamble": "x"}, "--preamble must be none or chat"),
     ({"filler": "/nonexistent.txt"}, "filler file not found"),
 ])
@@ -346,7 +345,8 @@ def test_bad_filler_and_question_length(study, tmp_path):
     with pytest.raises(ConfigError, match="a trial needs 100000"):
         er.tokenize_filler(tok, cfg.filler, 100000)
     with pytest.raises(ConfigError, match="--block must be >= 6"):
-        er.run(dataclasses.replace(cfg, block=4, window=8), models, tmp_path, show_progress=False)
+        er.run(dataclasses.replace(cfg, policy=cfg.policy.replace(block=4, window=8)), models, tmp_path,
+               show_progress=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,7 +365,8 @@ def test_cli_bad_input_is_one_line(tmp_path):
     assert_one_line_errors([("exp_recall.py", ["--cycles", "2,x"], "--cycles must be a comma-separated list"),
                             ("exp_recall.py", ["--facts", str(f)], "same number of digits"),
                             ("exp_recall.py", ["--cold-capacity", "24", "--page-size", "16"], "recall flags: "),
-                            ("exp_recall.py", ["--recall-pages", "0"], "--recall-pages must be in")])  # one batch
+                            ("exp_recall.py", ["--recall-pages", "0"], "--recall-pages must be in"),
+                            ("exp_recall.py", ["--delta", "-1"], "delta must be >= 0")])  # one batch
 
 
 SMOKE_ARMS = ("full", "streamingllm", "rsqr", "rsqr_recall")

@@ -31,25 +31,18 @@ from typing import Callable
 import numpy as np
 
 from rsqr_jax.eval.runtime import ConfigError, Timer, status, write_json_atomic
+from rsqr_jax.policy import Policy, make_policy
+from rsqr_jax.studies import base_policy
 from rsqr_jax.studies.drift_keys import N_SINK, exp_attention, exp_keys
 from rsqr_jax.studies.drift_model import START_PRECISION, exp_model
 
 PARTS = ("keys", "attention", "model")
 
 
-@dataclasses.dataclass(frozen=True)
-class SurvivorConfig:
-    """The model-level configuration with survivors (compared against float32 rsqr)."""
-
-    window: int = 64
-    delta: int = 8
-    max_survivors: int = 16
-    block: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class DriftConfig:
-    """Sizes of the three levels; the defaults are the full run, `quick()` the CI one."""
+    """Sizes of the three levels; the defaults are the full run, `quick()` the CI one. surv_policy: the
+    model-level configuration with survivors (rsqr and rerotate of it, compared against float32 rsqr)."""
 
     n_random: int = 2048
     capture_tokens: int = 600
@@ -69,7 +62,7 @@ class DriftConfig:
     att_queries: int = 8
     model_tokens: int = 512
     model_configs: tuple[tuple[int, int], ...] = ((64, 1), (64, 8), (256, 1), (256, 8))  # (window, block)
-    surv_config: SurvivorConfig = SurvivorConfig()
+    surv_policy: Policy = base_policy.field(window=64, n_sink=N_SINK, delta=8, max_survivors=16)
     segment: int = 32
     oracle_tokens: int = 96
     oracle_configs: str = "both"  # "first" or "both" (the first delta = 0 one and the survivor one)
@@ -85,11 +78,13 @@ class DriftConfig:
         q = dict(n_random=512, capture_tokens=96, capture_stride=6, grid_P=(0, 10_000, 1_000_000),
                  grid_s=(1, 8, 64), grid_h=(1, 100), grid_keys=256, distance=64, att_windows=(32,),
                  att_uniform_W=32, att_uniform_h=(1, 10, 100, 1000), att_queries=4, model_tokens=64,
-                 model_configs=((32, 1), (32, 8)), surv_config=SurvivorConfig(32, 4, 4, 1), oracle_tokens=0,
+                 model_configs=((32, 1), (32, 8)),
+                 surv_policy=make_policy("rsqr", window=32, n_sink=N_SINK, delta=4, max_survivors=4), oracle_tokens=0,
                  oracle_configs="first", precisions=("f32", "f32+bf16cache"), quick=True)
         return cls(**{**q, **kw})
 
     def __post_init__(self):
+        base_policy.check(self.surv_policy)
         if set(self.parts) - set(PARTS) or not self.parts:
             raise ConfigError(f"parts must be a non-empty subset of {','.join(PARTS)}, got {','.join(self.parts)}")
         if self.model_tokens % self.segment:
@@ -105,9 +100,16 @@ class DriftConfig:
         return max(self.capture_tokens, self.model_tokens + 1)
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        return {k: ([list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v)
-                for k, v in d.items() if k != "parts"}
+        """The config as results have it: the survivor configuration as "surv_config" (window, delta,
+        max_survivors, block), tuples as lists."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "surv_policy":
+                out["surv_config"] = base_policy.settings(v, ("window", "delta", "max_survivors", "block"))
+            elif f.name != "parts":
+                out[f.name] = [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v
+        return out
 
 
 # ------------------------------------------------------------------------------------- run, result

@@ -77,11 +77,9 @@ def _configs(cfg):
         configs.append((f"W={W},b={b}", "streamingllm", {
             "streamingllm": P.make_policy("streamingllm", window=W, n_sink=N_SINK, block=b),
             "rsqr": P.make_policy("rsqr", **kw), "rerotate": P.make_policy("rerotate", **kw)}))
-    sc = cfg.surv_config
-    skw = dict(window=sc.window, n_sink=N_SINK, delta=sc.delta, max_survivors=sc.max_survivors, block=sc.block,
-               overflow="fifo")
-    configs.append((f"W={sc.window},b={sc.block},delta={sc.delta},S={sc.max_survivors}", "rsqr", {
-        "rsqr": P.make_policy("rsqr", **skw), "rerotate": P.make_policy("rerotate", **skw)}))
+    sc = cfg.surv_policy.settings()
+    configs.append((f"W={sc['window']},b={sc['block']},delta={sc['delta']},S={sc['max_survivors']}", "rsqr", {
+        "rsqr": cfg.surv_policy.replace(mode="rsqr"), "rerotate": cfg.surv_policy.replace(mode="rerotate")}))
     return configs
 
 
@@ -104,8 +102,7 @@ def exp_model(model_cfg, models: dict, weights: dict | None, tokens_T, cfg, *, p
         if model is None:
             raise ValueError(f"precision {pname} needs models[{'bfloat16'!r}]")
         idx = [(ci, m) for ci, (_, _, d) in enumerate(configs) for m in d if modes is None or m in modes]
-        spec = CacheSpec.for_policies(all_pols, num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
-                                      head_dim=model_cfg.head_dim, dtype=cdt)
+        spec = CacheSpec.for_policies(all_pols, dims=model_cfg, dtype=cdt)
         dec = Decoder(model[0], spec, vmap_policies=True)
         streams[pname] = dict(idx=idx, policies=P.stack_policies([configs[ci][2][m] for ci, m in idx]), dec=dec,
                               cache=dec.init_cache(len(idx), start), params=model[1])

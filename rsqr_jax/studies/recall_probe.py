@@ -17,7 +17,8 @@ Protocol (every quantity is also written to recall.json under "protocol"):
   survive only while in the window or as survivors (every delta-th token, rsqr), or are lost.
 * Arms: full; replay, rerotate, leave_gaps, streamingllm (no survivors: delta = 0, the author's arms);
   rsqr (delta survivors, uncapped: max_survivors larger than the stream can fill); rsqr_cap (delta
-  survivors, at most `cap`, fifo).
+  survivors, at most the cap, fifo). Every bounded arm is derived from the config's base policy, rsqr_cap's
+  (window, block, delta, cap), at the variant's sinks.
 * replay is evaluated on a short stream per (trial, checkpoint): the sinks plus the last filler tokens
   (at least window + 2 blocks, block-aligned with the long stream). Replay re-encodes every cached token
   from its id at each eviction, so its state depends only on the kept ids: the short stream reaches the
@@ -38,7 +39,9 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from rsqr_jax.policy import Policy, make_policy
 from rsqr_jax.spec import ColdStore
+from rsqr_jax.studies import base_policy
 from rsqr_jax.eval.runtime import (ConfigError, check_memory, portable_path, progress, read_text, sigterm_interrupts,
                                    status, write_json_atomic)
 from rsqr_jax.studies.recall_report import (PUBLISHED, RecallResult, load_resumable, paired, summarize,
@@ -83,9 +86,11 @@ def parse_choice_list(text: str, flag: str, choices) -> list[str]:
     return list(dict.fromkeys(vals))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds a Policy (studies.base_policy)
 class RecallConfig:
-    """Everything that defines a recall study (lists resolved; `make_config` fills the defaults)."""
+    """Everything that defines a recall study (lists resolved; `make_config` fills the defaults). policy: the
+    rsqr_cap arm (window, eviction block = streaming chunk, survivor stride delta, cap), the base of every
+    bounded arm (each variant sets the sinks; rsqr_recall adds recall_pages)."""
 
     filler: str
     trials: int = 40
@@ -100,11 +105,8 @@ class RecallConfig:
     n_facts: int = 1
     facts: str | None = None
     preamble: str = "none"
-    window: int = 24
-    block: int = 8
+    policy: Policy = base_policy.field(window=24, delta=8, max_survivors=16, block=8)
     cycle_len: int = 16
-    delta: int = 8
-    cap: int = 16
     recall_pages: int = 4  # rsqr_recall: rsqr_cap + the recall tier (DESIGN section 3b)
     cold: ColdStore = ColdStore()  # rsqr_recall's cold store (validated where it is made)
     gen_tokens: int = 10
@@ -118,7 +120,7 @@ class RecallConfig:
 
     @property
     def chunk(self) -> int:
-        return self.block
+        return int(self.policy.block)
 
     @property
     def n_filler(self) -> int:
@@ -128,13 +130,12 @@ class RecallConfig:
         for name in ("trials", "n_facts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("window", "block", "cycle_len", "gen_tokens", "batch", "cap"):
+        for name in ("cycle_len", "gen_tokens", "batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.delta < 0:
-            raise ConfigError(f"--delta must be >= 0, got {self.delta}")
-        if self.block > self.window:
-            raise ConfigError(f"--block {self.block} must not exceed --window {self.window}")
+        p = base_policy.check(self.policy).settings()
+        if p["block"] > p["window"]:
+            raise ConfigError(f"--block {p['block']} must not exceed --window {p['window']}")
         if self.gen_tokens < 2:
             raise ConfigError("--gen-tokens must be >= 2")
         if not 1 <= self.recall_pages <= self.cold.pages:
@@ -174,8 +175,9 @@ class RecallConfig:
         return {"model": self.model or "embedded", "dtype": self.dtype, "kernel": self.kernel,
                 "filler": portable_path(self.filler), "facts": portable_path(self.facts) if self.facts else None,
                 "preamble": self.preamble, "seed": self.seed, "trials": self.trials, "n_facts": self.n_facts,
-                "window": self.window, "block": self.block, "cycle_len": self.cycle_len, "delta": self.delta,
-                "cap": self.cap, "gen_tokens": self.gen_tokens, "cycles": list(self.cycles),
+                **base_policy.settings(self.policy, ("window", "block")), "cycle_len": self.cycle_len,
+                "delta": int(self.policy.delta), "cap": int(self.policy.max_survivors), "gen_tokens": self.gen_tokens,
+                "cycles": list(self.cycles),
                 "recall": [self.recall_pages, self.cold.capacity, self.cold.page_size]
                 + ([self.cold.page_score, self.cold.neighbors] if (self.cold.page_score, self.cold.neighbors)
                    != ("mean", 0) else []),  # the old 3-item key when the defaults are kept: old runs resume
@@ -206,24 +208,22 @@ def make_config(filler: str, *, quick: bool = False, trials=None, cycles=None, d
     return cfg.validate()
 
 
-def arm_policy(arm: str, cfg: RecallConfig, n_sink: int, uncapped: int):
-    from rsqr_jax.policy import make_policy
-
-    W, b = cfg.window, cfg.block
+def arm_policy(arm: str, cfg: RecallConfig, n_sink: int, uncapped: int) -> Policy:
+    """The arm's policy at n_sink sinks, from the base (rsqr_cap's); the uncapped rsqr arm's cap is `uncapped`,
+    the stream's length (a per-run value, so it is not the base policy's)."""
     if arm == "full":
         return make_policy("full")
+    cap = cfg.policy.replace(mode="rsqr", n_sink=n_sink)
     if arm in ("replay", "rerotate", "leave_gaps"):
-        return make_policy(arm, window=W, n_sink=n_sink, delta=0, block=b)
+        return cap.replace(mode=arm, delta=0)
     if arm == "streamingllm":
-        return make_policy("streamingllm", window=W, n_sink=n_sink, block=b)
+        return cap.replace(mode="streamingllm")
     if arm == "rsqr":
-        return make_policy("rsqr", window=W, n_sink=n_sink, delta=cfg.delta, max_survivors=uncapped, block=b)
+        return cap.replace(max_survivors=uncapped)
     if arm == "rsqr_cap":
-        return make_policy("rsqr", window=W, n_sink=n_sink, delta=cfg.delta, max_survivors=cfg.cap, block=b,
-                           overflow="fifo")
+        return cap
     if arm == "rsqr_recall":  # the device cache of rsqr_cap plus the recalled slots
-        return make_policy("rsqr", window=W, n_sink=n_sink, delta=cfg.delta, max_survivors=cfg.cap, block=b,
-                           overflow="fifo", recall_pages=cfg.recall_pages)
+        return cap.replace(recall_pages=cfg.recall_pages)
     raise ValueError(arm)
 
 
@@ -311,9 +311,7 @@ class _Study:
         from rsqr_jax.spec import CacheSpec
 
         m = self.models[dtype]
-        c = m.config
-        spec = CacheSpec.for_policies(policies, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                                      head_dim=c.head_dim, batch=self.B, dtype=dtype, max_chunk=self.cfg.chunk,
+        spec = CacheSpec.for_policies(policies, dims=m.config, batch=self.B, dtype=dtype, max_chunk=self.cfg.chunk,
                                       max_len=max_len, **self.cold_store(policies))
         check_memory(spec.bytes_by_part()["total"])  # e.g. a cold store per trial row: refuse before allocating
         return Decoder(m.apply_fn, spec, gen_block=self.cfg.gen_tokens)
@@ -351,12 +349,13 @@ class _Study:
 
     def replay_arm(self, dec, dtype, variant, policy, cycles, n_sink):
         """Replay on short streams (see the module docstring), rows = (trial, checkpoint) pairs."""
-        cfg, trials, B, C, L, W = self.cfg, self.trials, self.B, self.cfg.chunk, self.cfg.cycle_len, self.cfg.window
+        cfg, trials, B, C, L = self.cfg, self.trials, self.B, self.cfg.chunk, self.cfg.cycle_len
+        W = int(cfg.policy.window)
         params = self.models[dtype].params
         T = len(trials.numbers)
         by_len: dict[int, list[tuple[int, int]]] = {}
         for c in cycles:
-            by_len.setdefault(replay_short_len(c * L, W, cfg.block), []).extend((i, c) for i in range(T))
+            by_len.setdefault(replay_short_len(c * L, W, C), []).extend((i, c) for i in range(T))
         with progress(sum(-(-len(p) // B) for p in by_len.values()), f"{variant}/{dtype}/replay",
                       enabled=self.show_progress, unit="ask") as bar:
             for k, pairs in by_len.items():
@@ -370,7 +369,7 @@ class _Study:
                     self.token_rows += B * ids.shape[1]
                     # layout of trial 0's short stream (the kept set is the same for every trial)
                     for c in sorted({c for i, c in group if i == 0}):
-                        if k == replay_short_len(c * L, W, cfg.block):
+                        if k == replay_short_len(c * L, W, C):
                             lay = layout_of(cache, policy, "replay", n_sink, trials.digit_pos)
                             lay["note"] = "short stream: t counts the short stream's tokens"
                             self.layouts.append({"variant": variant, "dtype": dtype, "arm": "replay", "n_cycles": c,
@@ -421,7 +420,7 @@ def run(cfg: RecallConfig, models: dict[str, RecallModel], out_dir, *, previous:
            f"{n_filler} tokens of {os.path.basename(cfg.filler)}")
     study = _Study(cfg, models, trials, show_progress)
     total_len = P_len + n_filler + cfg.chunk + cfg.gen_tokens
-    uncapped = -(-total_len // max(cfg.delta, 1)) + 2
+    uncapped = -(-total_len // max(int(cfg.policy.delta), 1)) + 2
     done_arms: list[list[str]] = []
     prior = {"runtime_s": 0.0, "token_rows": 0}
     if previous is not None:

@@ -134,9 +134,10 @@ class RecallResult:
                       "name": "SmolLM2-135M-Instruct (embedded GGUF)" if cfg.model is None else cfg.model},
             "protocol": {
                 "cycle_len": cfg.cycle_len, "cycle_definition": "one cycle = cycle_len filler tokens",
-                "window": cfg.window, "block": cfg.block, "chunk": cfg.chunk,
+                "window": int(cfg.policy.window), "block": cfg.chunk, "chunk": cfg.chunk,
                 "window_semantics": "the window keeps window..window+block-1 most recent tokens (docs/design.md §3)",
-                "delta": cfg.delta, "rsqr_uncapped_max_survivors": uncapped, "rsqr_cap_max_survivors": cfg.cap,
+                "delta": int(cfg.policy.delta), "rsqr_uncapped_max_survivors": uncapped,
+                "rsqr_cap_max_survivors": int(cfg.policy.max_survivors),
                 "overflow": "fifo",
                 "sinks": {"pinned": P_len, "unprotected": meta["unprotected_sinks"]},
                 "preamble": cfg.preamble, "preamble_tokens": meta["n_preamble"],
