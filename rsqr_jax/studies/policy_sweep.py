@@ -325,8 +325,7 @@ def run(config: SweepConfig, apply_fn, params, model_config, tokenizer=None, *, 
     rows = summarize(nll_PxBxT, names, tokens_per_bucket=config.bucket)
     for r, pol in zip(rows, unstack_policies(policies)):
         h = pol.host()
-        own = CacheSpec.for_policies(pol, num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                                     head_dim=model_config.head_dim, dtype=config.dtype, max_chunk=config.chunk,
+        own = CacheSpec.for_policies(pol, dims=model_config, dtype=config.dtype, max_chunk=config.chunk,
                                      max_len=config.tokens, cold=config.cold if h["recall_pages"] else None)
         r.update(mode=MODES[h["mode"]], window=h["window"], n_sink=h["n_sink"], delta=h["delta"],
                  max_survivors=h["max_survivors"], block=h["block"], overflow=OVERFLOWS[h["overflow"]],

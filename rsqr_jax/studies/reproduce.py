@@ -449,9 +449,8 @@ def _decoder(model: ReproModel, policies: list, batch: int, chunk: int, max_len:
     from rsqr_jax.engine import Decoder
     from rsqr_jax.spec import CacheSpec
 
-    c = model.config
-    spec = CacheSpec.for_policies(policies, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                  batch=batch, dtype="float32", max_chunk=chunk, max_len=max_len)
+    spec = CacheSpec.for_policies(policies, dims=model.config, batch=batch, dtype="float32", max_chunk=chunk,
+                                  max_len=max_len)
     return Decoder(model.apply_fn, spec, vmap_policies=True)
 
 

@@ -88,9 +88,8 @@ def run_arm(config: BenchSweepConfig, arm: str, apply_fn, params, model_config, 
     policies, names = policy_grid(config.grid)
     rss_loaded = _rss_mib() if rss_after_load_mib is None else rss_after_load_mib
     tokens_1xT = np.asarray(tokens_1xT, np.int32)
-    spec = CacheSpec.for_policies(policies, num_layers=model_config.num_layers,
-                                  num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-                                  dtype=config.dtype, max_chunk=config.chunk, max_len=tokens_1xT.shape[1])
+    spec = CacheSpec.for_policies(policies, dims=model_config, dtype=config.dtype, max_chunk=config.chunk,
+                                  max_len=tokens_1xT.shape[1])
     kw = dict(chunk=config.chunk, segment=config.segment)
     singles = unstack_policies(policies)
 
