@@ -28,6 +28,7 @@ from rsqr_jax.eval.runtime import (ConfigError, check_stream_shape, portable_pat
                                    write_json_atomic)
 from rsqr_jax.spec import ColdStore
 
+# A sweep is a grid of policies, not one base policy: a key a grid leaves out takes the library's default.
 DEFAULT_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=128,256 delta=4,8,16"
 QUICK_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=8,16 delta=4 max_survivors=8"
 TASKS = ("ppl",)

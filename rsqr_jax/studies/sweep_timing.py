@@ -22,6 +22,7 @@ import numpy as np
 from rsqr_jax.eval.runtime import ConfigError, Timer, progress, status, write_json_atomic
 
 ARMS = ("sequential", "vmapped")
+# A grid of policies, not one base policy (policy_sweep's grid strings).
 DEFAULT_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=64,128 delta=8 max_survivors=32"
 QUICK_GRID = "mode=rsqr,rerotate,leave_gaps,streamingllm window=8,16 delta=4 max_survivors=8"
 JSON_NAME = "bench_sweep.json"
