@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import zlib
 from pathlib import Path
 
 import jax
@@ -26,6 +25,7 @@ from rsqr_jax.eval.stats import wilson
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.testing.oracle import reference_token_sets
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
+from rsqr_jax.testing.tokenizer import WordTokenizer
 from rsqr_jax.update import step
 from tests.cli import assert_one_line_errors, run_in_process
 
@@ -188,26 +188,6 @@ def test_ask_is_the_greedy_loop_of_steps_and_leaves_the_stream_cache_alone(tiny)
 
 # ----------------------------------------------------------------------------------------------------
 # A whole study in-process (tiny model, a word-level tokenizer).
-
-class WordTokenizer:
-    """Words with their leading space, single digits (ids 0-9, so answers decode exactly) and punctuation;
-    other ids by crc32. Deterministic, no files."""
-
-    def __init__(self, vocab: int):
-        self.vocab, self.pieces = vocab, {i: str(i) for i in range(10)}
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        out = []
-        for piece in re.findall(r" ?[A-Za-z]+|\d|\s|[^\sA-Za-z\d]", text):
-            i = int(piece) if piece.isdigit() else 10 + zlib.crc32(piece.encode()) % (self.vocab - 10)
-            self.pieces.setdefault(i, piece)
-            out.append(i)
-        return out
-
-    def decode(self, ids) -> str:
-        return "".join(self.pieces.get(int(i), "?") for i in ids)
-
-
 @pytest.fixture(scope="module")
 def study(tiny, tmp_path_factory):
     """(base config, models) for in-process runs: 3 trials in batches of 2 (a padded batch), every arm."""
