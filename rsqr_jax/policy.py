@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rsqr_jax.policy_defaults import DEFAULTS
+
 MODES = ("full", "window", "streamingllm", "leave_gaps", "rerotate", "replay", "rsqr", "rsqr_precompute")
 OVERFLOWS = ("fifo", "decimate")
 MODE_ID = {name: i for i, name in enumerate(MODES)}
@@ -24,12 +26,7 @@ FULL, WINDOW, STREAMINGLLM, LEAVE_GAPS, REROTATE, REPLAY, RSQR, RSQR_PRECOMPUTE 
 # "Keeps everything": a window no stream reaches (int32-safe even after adding a block).
 UNBOUNDED = 1 << 30
 
-# The library's policy defaults, the one set: make_policy, the constructors below and every command's policy
-# flags (rsqr_jax.cli.args reads this literal from the source, so that building a parser imports no jax: keep
-# it one dict of literals).
-DEFAULTS = {"window": 256, "n_sink": 4, "delta": 8, "max_survivors": 64, "block": 1, "overflow": "fifo",
-            "recall_pages": 0}
-_D = DEFAULTS
+_D = DEFAULTS  # the library's defaults (rsqr_jax.policy_defaults; also rsqr_jax.policy.DEFAULTS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,13 +57,10 @@ _POLICY_HELP = {"window": "window W (keeps W..W+block-1 recent tokens)", "sinks"
 
 @functools.cache
 def policy_defaults() -> dict:
-    """The library's policy defaults (rsqr_jax.policy.DEFAULTS), read from that module's source, so that the
-    flags show them without importing jax."""
-    tree = ast.parse((Path(__file__).resolve().parent.parent / "policy.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULTS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise RuntimeError("rsqr_jax/policy.py defines no DEFAULTS")
+    """The library's policy defaults (rsqr_jax.policy_defaults: literals, no jax import)."""
+    from rsqr_jax.policy_defaults import DEFAULTS
+
+    return dict(DEFAULTS)
 
 
 def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr", recall_by_default: bool = False,

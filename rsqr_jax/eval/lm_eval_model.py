@@ -26,13 +26,16 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from rsqr_jax.eval.harness import GenerateRequest, RequestEngine, SequentialEngine, StreamsEngine
+from rsqr_jax.policy_defaults import DEFAULTS
 from rsqr_jax.sampling import Sampling
 from rsqr_jax.spec import DEFAULT_PAGE_SCORE
 
-# Model arguments and their defaults (the policy / recall / model flags of rsqr_jax/cli/args.py).
+# Model arguments and their defaults (the policy / recall / model flags of rsqr_jax/cli/args.py; the policy's are the
+# library's, rsqr_jax.policy_defaults).
 MODEL_ARGS = {
-    "policy": "rsqr", "window": 256, "sinks": 4, "delta": 8, "max_survivors": 64, "block": 1, "overflow": "fifo",
-    "recall_pages": 0, "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
+    "policy": "rsqr", "window": DEFAULTS["window"], "sinks": DEFAULTS["n_sink"], "delta": DEFAULTS["delta"],
+    "max_survivors": DEFAULTS["max_survivors"], "block": DEFAULTS["block"], "overflow": DEFAULTS["overflow"],
+    "recall_pages": DEFAULTS["recall_pages"], "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
     "model": None, "dtype": "float32", "kernel": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }

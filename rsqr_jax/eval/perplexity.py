@@ -13,8 +13,8 @@ import numpy as np
 
 from rsqr_jax import policy as P
 from rsqr_jax.engine import stream_nll
-from rsqr_jax.eval.runtime import (ConfigError, Timer, check_stream_shape, progress, read_text, read_tokens, status,
-                                   write_json_atomic)
+from rsqr_jax.eval.runtime import (ConfigError, Timer, check_stream_shape, portable_path, progress, read_text,
+                                   read_tokens, status, write_json_atomic)
 from rsqr_jax.eval.stats import check_finite, ppl, ppl_curve
 from rsqr_jax.policy import Policy
 from rsqr_jax.policy import host_policies
@@ -208,6 +208,6 @@ def run_stream(config: StreamConfig, model: Model, *, check_memory: Callable[[in
     check_finite(config.policy_key, nll)
     summary = {"ppl": ppl(nll), "nll": float(nll.mean()), "n_tokens": config.tokens, "n_scored": int(nll.size),
                "policy": config.policy_key, "policy_name": policy.name, "dtype": model.dtype, "chunk": config.chunk,
-               "text": os.path.abspath(config.text), "cache_bytes": cache_bytes, "curve": ppl_curve(nll, config.bucket),
+               "text": portable_path(config.text), "cache_bytes": cache_bytes, "curve": ppl_curve(nll, config.bucket),
                "elapsed_s": elapsed, "tokens_per_s": nll.size / elapsed, "model": model.path}
     return StreamResult(nll, summary)

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from rsqr_jax.policy_defaults import DEFAULTS
 from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.eval.stats import wilson
 
@@ -52,8 +53,8 @@ class RulerSpec:
     policies: tuple[str, ...] = POLICIES
     seq_len: int = 4096
     limits: tuple[int, ...] = (10, 20, 30)
-    window: int = 512
-    sinks: int = 4
+    window: int = 512  # the protocol's window (the library's default is 256)
+    sinks: int = DEFAULTS["n_sink"]
     recall_pages: int = 8
     page_size: int = 16
     cold_capacity: int = 4096
