@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, add_recall_args, check_model_args,
-                     cold_store_flags, policy_from_args, run_main)
+                     cold_store_flags, model_label, policy_from_args, run_main)
 
 from rsqr_jax.studies import recall_probe as recall
 
@@ -93,13 +93,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from rsqr_jax.models.llama import load_model, split_apply
 
-    models, path = {}, None
+    models = {}
     for dtype in cfg.dtypes:
         lm = load_model(args.model, dtype)
         apply_fn, params = split_apply(lm.model, kernel=args.kernel)
         models[dtype] = recall.RecallModel(apply_fn, params, lm.config, lm.tokenizer)
-        path = path or lm.path
-    result = recall.run(cfg, models, args.out, previous=previous, model_path=path,
+    result = recall.run(cfg, models, args.out, previous=previous, model_path=model_label(args),
                         show_progress=not args.no_progress)
     if not result.complete:
         return 3

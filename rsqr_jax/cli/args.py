@@ -205,6 +205,14 @@ def check_cache_fits(cache_bytes: int) -> None:
         raise UsageError(str(e)) from None
 
 
+def model_label(args) -> str:
+    """How a result names --model: "embedded" (the default model), or the file by its repository path or
+    absolute path (never the embedded file's location in this machine's site-packages)."""
+    from rsqr_jax.eval.runtime import portable_path
+
+    return portable_path(args.model) if args.model else "embedded"
+
+
 def load_model_from_args(args):
     from rsqr_jax.models.llama import load_model, split_apply
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, check_cache_fits, check_model_args,
-                     cold_store_from_args, load_model_from_args, policy_from_args, run_main)
+                     cold_store_from_args, load_model_from_args, model_label, policy_from_args, run_main)
 
 
 def build_parser() -> Parser:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                           segment=args.segment, bucket=args.bucket, **({"cold": cold} if cold else {}))
     check_text(args.text)  # fail before loading the model
     loaded, apply_fn, params = load_model_from_args(args)
-    model = Model(apply_fn, params, loaded.config, loaded.tokenizer, args.dtype, loaded.path)
+    model = Model(apply_fn, params, loaded.config, loaded.tokenizer, args.dtype, model_label(args))
     result = run_stream(config, model, check_memory=check_cache_fits, show_progress=not args.no_progress)
     if args.save_nll:
         result.save_nll(args.save_nll)

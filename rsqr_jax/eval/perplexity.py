@@ -30,7 +30,7 @@ class Model(NamedTuple):
     config: Any
     tokenizer: Any
     dtype: str = "float32"
-    path: str = ""
+    path: str = ""  # how results name the model ("embedded", or its file)
 
 
 def cache_spec(model: Model, policies, *, chunk: int, max_len: int, cold: ColdStore = ColdStore()) -> CacheSpec:
