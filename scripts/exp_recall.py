@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     models = {}
     for dtype in cfg.dtypes:
-        lm = load_model(args.model, dtype)
+        lm = load_model(args.model, dtype, weight_format=args.weight_format)
         apply_fn, params = split_apply(lm.model, kernel=args.kernel)
         models[dtype] = recall.RecallModel(apply_fn, params, lm.config, lm.tokenizer)
     result = recall.run(cfg, models, args.out, previous=previous, model_path=model_label(args),

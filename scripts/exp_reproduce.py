@@ -93,7 +93,7 @@ def load(args) -> R.ReproModel:
         cfg = dataclasses.replace(tiny_config(), vocab_size=len(tok))
         model = Llama(cfg, tiny_weights(cfg, 0), dtype=jnp.float32)
     else:
-        loaded = load_model(args.model, args.dtype)
+        loaded = load_model(args.model, args.dtype, weight_format=args.weight_format)
         model, cfg, tok = loaded.model, loaded.config, loaded.tokenizer
     apply_fn, params = split_apply(model, kernel=args.kernel)
     explicit_fn, _ = split_apply(model, attend=explicit_attend)

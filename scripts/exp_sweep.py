@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from rsqr_jax.models.llama import load_model, split_apply
 
-        loaded = load_model(args.model, config.dtype)
+        loaded = load_model(args.model, config.dtype, weight_format=args.weight_format)
         apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
         model_config, tokenizer, name = loaded.config, loaded.tokenizer, loaded.path
     result = X.run(config, apply_fn, params, model_config, tokenizer, model_name=name)

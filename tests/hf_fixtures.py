@@ -170,13 +170,24 @@ def gguf_writer(path: str | os.PathLike, arch: str, spec, rms_norm_eps: float, s
     return w
 
 
-def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
+def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike, quant: dict | None = None) -> Path:
     """Write an HF tiny model as an F32 GGUF the way llama.cpp's convert_hf_to_gguf does: GGUF tensor names,
     q/k rows permuted to the interleaved layout for `llama` (not for `qwen2`), llama3 scaling as a
-    `rope_freqs` tensor of per-frequency divisors. Token list: placeholder strings <t{i}>."""
+    `rope_freqs` tensor of per-frequency divisors. Token list: placeholder strings <t{i}>.
+    quant: {"layers" | "embed" | "output": gguf.GGMLQuantizationType} stores those matrices quantized (as
+    llama-quantize would: gguf-py's quantizer), the rest F32."""
     import math
 
     import gguf
+    from gguf.quants import quantize
+
+    quant = quant or {}
+
+    def add(name: str, x: np.ndarray, kind: str | None) -> None:
+        if kind in quant:
+            w.add_tensor(name, quantize(np.ascontiguousarray(x, np.float32), quant[kind]), raw_dtype=quant[kind])
+        else:
+            w.add_tensor(name, np.ascontiguousarray(x))
 
     arch = spec.arch
     w = gguf_writer(path, arch, spec, spec.rms_norm_eps)
@@ -206,7 +217,7 @@ def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
                 factors.append(1 / ((1 - smooth) / factor + smooth))
         w.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
 
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("token_embd.weight", sd["model.embed_tokens.weight"], "embed")
     for i in range(spec.num_layers):
         pre = f"model.layers.{i}."
         for hf, gg in [
@@ -228,10 +239,10 @@ def write_tiny_gguf(hf_model, spec: TinySpec, path: str | os.PathLike) -> Path:
             x = sd[pre + hf]
             if arch == "llama" and ("q_proj" in hf or "k_proj" in hf):
                 x = permute(x, spec.num_heads if "q_proj" in hf else spec.num_kv_heads)
-            w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(x))
+            add(f"blk.{i}.{gg}", x, "layers" if x.ndim == 2 else None)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if not spec.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"])
+        add("output.weight", sd["lm_head.weight"], "output")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -218,7 +218,7 @@ def test_capture_is_the_decoder_forward(tiny):
     ref = forward_logits(LoadedModel(cfg, model, "tiny", "float32"), tokens[None])[0]
     assert np.abs(ref - logits).max() < 1e-5
     # layer 0's raw k is embed -> rms_norm -> wk, with no attention before it.
-    h = rms_norm(jnp.asarray(model.embed[...])[tokens], model.attn_norm[...][0], cfg.rms_norm_eps)
+    h = rms_norm(model.weight("embed")[tokens], model.weight("attn_norm")[0], cfg.rms_norm_eps)
     np.testing.assert_allclose(k[0].reshape(40, -1), np.asarray(h @ model.wk[...][0]), rtol=1e-5, atol=1e-5)
 
 

@@ -126,6 +126,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     g.add_argument("--kernel", default="auto",
                    help="attention kernel: xla, pallas, auto (pallas on GPU, xla on CPU), reference")
+    g.add_argument("--weight-format", default="auto",
+                   help="blocks: keep a GGUF's 4- and 8-bit blocks as int8 codes, dequantized inside each step (a "
+                   "quarter of the bytes read per token, the same logits); dense: every weight as a --dtype array; "
+                   "auto: blocks on a CPU, dense elsewhere")
 
 
 def resolve_recall_default(args) -> None:
@@ -191,6 +195,8 @@ def check_model_args(args) -> None:
         raise UsageError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
     if args.kernel not in ("xla", "pallas", "auto", "reference"):
         raise UsageError(f"--kernel must be xla, pallas, auto or reference, got {args.kernel!r}")
+    if getattr(args, "weight_format", "auto") not in ("auto", "blocks", "dense"):
+        raise UsageError(f"--weight-format must be auto, blocks or dense, got {args.weight_format!r}")
     if args.model is not None and not os.path.exists(args.model):
         raise UsageError(f"model not found: {args.model}")
 
@@ -216,7 +222,7 @@ def model_label(args) -> str:
 def load_model_from_args(args):
     from rsqr_jax.models.llama import load_model, split_apply
 
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, weight_format=args.weight_format)
     apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
     return loaded, apply_fn, params
 

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     status(f"loading {os.path.basename(model_path)} ...")
     t_load = time.perf_counter()
-    loaded = load_model(args.model, weights_dtype)
+    loaded = load_model(args.model, weights_dtype, weight_format=args.weight_format)
     apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
     tok, cfg = loaded.tokenizer, loaded.config
     dtypes = weights_dtype if weights_dtype == args.cache_dtype else f"{weights_dtype} weights, {args.cache_dtype} cache"
@@ -272,7 +272,7 @@ def main_jsonl(args) -> int:
 
     weights_dtype = chat.resolve_weights_dtype(args.weights_dtype, args.cache_dtype, jax.default_backend())
     t_load = time.perf_counter()
-    loaded = load_model(args.model, weights_dtype)
+    loaded = load_model(args.model, weights_dtype, weight_format=args.weight_format)
     apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
     tok, cfg = loaded.tokenizer, loaded.config
     status(f"model {loaded.path} loaded in {time.perf_counter() - t_load:.1f}s; policy {policy.name}; "

@@ -36,7 +36,7 @@ MODEL_ARGS = {
     "policy": "rsqr", "window": DEFAULTS["window"], "sinks": DEFAULTS["n_sink"], "delta": DEFAULTS["delta"],
     "max_survivors": DEFAULTS["max_survivors"], "block": DEFAULTS["block"], "overflow": DEFAULTS["overflow"],
     "recall_pages": DEFAULTS["recall_pages"], "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
-    "model": None, "dtype": "float32", "kernel": "auto",
+    "model": None, "dtype": "float32", "kernel": "auto", "weight_format": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }
 # What lm-eval passes every model (accepted; batch_size = the number of streams, see batch_slots).
@@ -140,7 +140,7 @@ class RsqrLM(TemplateLM):
         if pieces is None:
             from rsqr_jax.models.llama import load_model, split_apply
 
-            loaded = load_model(a["model"], a["dtype"])
+            loaded = load_model(a["model"], a["dtype"], weight_format=a["weight_format"])
             apply_fn, params = split_apply(loaded.model, kernel=a["kernel"])
             pieces = (apply_fn, params, loaded.config, loaded.tokenizer)
         apply_fn, params, cfg, tokenizer = pieces

@@ -23,7 +23,7 @@ def weights_of(model: Llama) -> dict[str, np.ndarray]:
     """The module's weights as a float32 numpy dict in the canonical layout (for float64 oracles)."""
     cfg = model.config
     names = ["embed", "final_norm", *layer_keys(cfg)] + ([] if cfg.tie_word_embeddings else ["lm_head"])
-    return {n: np.asarray(getattr(model, n)[...], np.float32) for n in names}
+    return {n: np.asarray(model.weight(n), np.float32) for n in names}
 
 
 def capture_qk(model: Llama, tokens_T, *, kernel: str = "xla"):

@@ -19,11 +19,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from rsqr_jax.models.blocks import BLOCK_TYPES, BlockWeights, decode_blocks
 from rsqr_jax.models.config import GEMMA, GLOBAL, LOCAL, ModelConfig, ModelLoadError
 from rsqr_jax.models.layout import canonical_shapes, empty, eos_with_end_of_turn, one_line, stack_layers
 from rsqr_jax.rope import RopeScaling, inverse_frequencies
 
 MAGIC = b"GGUF"
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the layer weights a BlockWeights can hold
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 
@@ -322,9 +324,31 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_weights(p: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def _block_type(tensors: dict, names: list[str]) -> str | None:
+    """The block type (rsqr_jax.models.blocks.BLOCK_TYPES) all of these tensors share, else None."""
+    kinds = {tensors[n].tensor_type.name if n in tensors else None for n in names}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return kind if kind in BLOCK_TYPES else None
+
+
+def _blocks_of(t, heads: int | None, permuted: bool, transpose: bool) -> tuple:
+    """(codes, scale, offset) of one block-quantized tensor [out, in]: q/k rows unpermuted like the float path,
+    transposed to the canonical [in, out] when `transpose` (blocks then run along axis -2)."""
+    codes, scale, offset = decode_blocks(t.data, t.tensor_type.name)
+    parts = [codes, scale] + ([offset] if offset is not None else [])
+    if heads is not None and permuted:
+        parts = [_unpermute_rows(a, heads) for a in parts]
+    if transpose:
+        parts = [np.ascontiguousarray(a.T) for a in parts]
+    return parts[0], parts[1], parts[2] if offset is not None else None
+
+
+def iter_weights(p: Path, config: ModelConfig, *, blocks: bool = False) -> Iterator[tuple[str, Any]]:
     """(name, float32 canonical array), one tensor at a time; the file pages read for a tensor are
-    dropped from this process once it is dequantized, so only the arrays the caller keeps stay resident."""
+    dropped from this process once it is dequantized, so only the arrays the caller keeps stay resident.
+
+    blocks: the matrices (q/k/v/o, MLP, embedding, output) stored as Q4_0 / Q4_1 / Q8_0 in every layer come as
+    `BlockWeights` (the file's codes and scales, exact) instead of float32 arrays; any other type is dequantized."""
     reader = open_reader(p)
     tensors = _tensors(reader)
     permuted = config.arch == "llama"  # convert_hf_to_gguf permutes q/k only for LlamaModel
@@ -360,6 +384,16 @@ def iter_weights(p: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray
     # exact in float32 for a stored v >= 0.5, so the decoder's 1 + w gives the file's v back
     shift = 1.0 if config.gemma else 0.0
     for name, (suffix, heads) in per_layer.items():
+        names = [f"blk.{i}.{suffix}" for i in range(config.num_layers)]
+        if blocks and name in MATRICES and _block_type(tensors, names):
+            per = [_blocks_of(tensors[n], heads, permuted, transpose=True) for n in names]
+            stack = lambda k: None if per[0][k] is None else np.stack([b[k] for b in per])  # noqa: E731
+            w = BlockWeights.from_blocks(stack(0), stack(1), stack(2), block_axis=-2)
+            if w.shape != shapes[name]:
+                raise ModelLoadError(f"GGUF tensor {names[0]} has shape {w.shape[1:]}, config implies {shapes[name][1:]}")
+            reader.drop_pages()
+            yield name, w
+            continue
         w = stack_layers(config, name, shapes[name], lambda i: get(f"blk.{i}.{suffix}", heads))
         if name.endswith("norm"):
             w -= shift
@@ -369,14 +403,24 @@ def iter_weights(p: Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray
     for name, tensor in singles.items():
         if tensor not in tensors:
             raise ModelLoadError(f"GGUF {p.name} lacks tensor {tensor}")
+        if blocks and name == "embed" and _block_type(tensors, [tensor]):  # [V, H], blocks along H
+            w = BlockWeights.from_blocks(*_blocks_of(tensors[tensor], None, False, transpose=False), block_axis=-1)
+            if w.shape != shapes[name]:
+                raise ModelLoadError(f"GGUF tensor {tensor} has shape {w.shape}, config implies {shapes[name]}")
+            reader.drop_pages()
+            yield name, w
+            continue
         w = _dequantize(tensors[tensor], out=empty(shapes[name]))
         if name.endswith("norm"):
             w -= shift
         reader.drop_pages()
         yield name, w
     if not config.tie_word_embeddings:
-        w = empty(shapes["lm_head"])
-        w[...] = get("output.weight").T
+        if blocks and _block_type(tensors, ["output.weight"]):
+            w = BlockWeights.from_blocks(*_blocks_of(tensors["output.weight"], None, False, transpose=True), block_axis=-2)
+        else:
+            w = empty(shapes["lm_head"])
+            w[...] = get("output.weight").T
         reader.drop_pages()
         yield "lm_head", w
 

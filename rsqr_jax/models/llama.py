@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rsqr_jax.models.blocks import BlockWeights, dense
+from rsqr_jax.models.blocks import logits as tied_logits
 from rsqr_jax.models.config import ModelConfig
 from rsqr_jax import hybrid
 from rsqr_jax.cache import KVCache
@@ -55,42 +57,65 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+def dense_matmul(x: jax.Array, w) -> jax.Array:
+    """x @ w; a BlockWeights is dequantized here, inside the step (rsqr_jax.models.blocks)."""
+    return jnp.dot(x, dense(w, x.dtype), precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 class Llama(nnx.Module):
-    """Decoder-only transformer; weights in the canonical layout of rsqr_jax.models.loading (x @ W)."""
+    """Decoder-only transformer; weights in the canonical layout of rsqr_jax.models.loading (x @ W), each an
+    array or, for the matrices of a GGUF's 4- and 8-bit blocks, a BlockWeights (dequantized in the step)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=jnp.float32):
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        cast = lambda name: nnx.Param(jnp.asarray(weights[name], self.dtype))  # noqa: E731
+
+        def cast(name):
+            w = weights[name]
+            return nnx.Param(jax.tree.map(jnp.asarray, w) if isinstance(w, BlockWeights) else jnp.asarray(w, self.dtype))
+
         self.embed = cast("embed")
         self.final_norm = cast("final_norm")
         self.lm_head = cast("lm_head") if not config.tie_word_embeddings else None
         for name in layer_keys(config):
             setattr(self, name, cast(name))
 
+    def weight(self, name: str) -> jax.Array:
+        """A weight as an array of the model's dtype (a BlockWeights dequantized): for references and oracles."""
+        return dense(getattr(self, name).get_value(), self.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight as held (BlockWeights: codes, scales and offsets)."""
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(self)))
+
     def __call__(self, tokens_BxC: jax.Array, cache: KVCache, plan: StepPlan, *, kernel: str = "xla",
-                 capture_qk: bool = False, attend: Callable = attend_layer):
+                 capture_qk: bool = False, attend: Callable = attend_layer, matmul: Callable | None = None):
         """Logits [B, C, V] (float32) of a chunk, and the cache with this chunk's K/V written.
 
         capture_qk: also return every layer's raw (un-rotated) q [L, B, C, Hq, D] and k [L, B, C, Hkv, D],
         as the layer computed them (for experiments on RoPE numerics; no second forward anywhere).
         attend: the layer's attention, `attend_layer` (signature and cache contract); an experiment may pass
-        its own (e.g. rsqr_jax.studies.reproduce_arms.explicit_attend, whose "cache" is its own pytree)."""
+        its own (e.g. rsqr_jax.studies.reproduce_arms.explicit_attend, whose "cache" is its own pytree).
+        matmul(x, w): a layer's projection x @ w, w an array or a BlockWeights (None: dequantize, then dot); a
+        benchmark of weight formats passes its own (rsqr_jax.studies.weights_timing)."""
         cfg = self.config
+        _dense = dense_matmul if matmul is None else matmul
         B, C = tokens_BxC.shape
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq = cfg.inv_freq
-        stacked = {name: getattr(self, name)[...] for name in layer_keys(cfg)}
+        stacked = {name: getattr(self, name).get_value() for name in layer_keys(cfg)}
         norm = functools.partial(gemma_rms_norm if cfg.gemma else rms_norm, eps=cfg.rms_norm_eps)
         act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else jax.nn.silu
         # Only the families that need them pass these on: the other programs (and an experiment's own `attend`)
         # are the same as ever.
         attn_kw = {k: v for k, v in (("scale", cfg.attn_scale), ("logit_cap", cfg.attn_logit_softcap)) if v is not None}
-        x_BxCxH = jnp.take(self.embed[...], tokens_BxC, axis=0)
+        embed = self.embed.get_value()
+        if isinstance(embed, BlockWeights):
+            x_BxCxH = embed.rows(tokens_BxC, self.dtype)
+        else:
+            x_BxCxH = jnp.take(embed, tokens_BxC, axis=0)
         if cfg.gemma:  # HF: the normalizer is a tensor of the hidden states' dtype
             x_BxCxH = x_BxCxH * jnp.asarray(cfg.hidden_size ** 0.5, x_BxCxH.dtype)
         # Each layer is one of three kinds: the policy's cache with the global RoPE (0) or with the local layers'
@@ -140,23 +165,32 @@ class Llama(nnx.Module):
         if ring.any():
             cache = cache.replace(loc_pos=local.next_pos)
         h = norm(x_BxCxH, self.final_norm[...])
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.dot(h, head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: contract the embedding's H axis in place (a `.T` made XLA:CPU copy
+            # the whole [V, H] matrix transposed at every step)
+            logits = tied_logits(h, embed, self.dtype)
+        else:
+            logits = jnp.dot(h, dense(self.lm_head.get_value(), self.dtype), precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
         logits = softcap(logits, cfg.final_logit_softcap)
         return (logits, cache, qk) if capture_qk else (logits, cache)
 
 
-def split_apply(model: Llama, *, kernel: str = "xla", attend: Callable = attend_layer) -> tuple[Callable, nnx.State]:
+def split_apply(model: Llama, *, kernel: str = "xla", attend: Callable = attend_layer,
+                matmul: Callable | None = None) -> tuple[Callable, nnx.State]:
     """(apply_fn, params): a pure function for the streaming loops (`nnx.split` once, `nnx.merge` inside).
 
-    apply_fn(params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache); `attend` as in `Llama.__call__`.
+    apply_fn(params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache); `attend` and `matmul` as in
+    `Llama.__call__`.
     """
     graphdef, params = nnx.split(model)
 
     def apply_fn(params, tokens_BxC, cache, plan):
-        return nnx.merge(graphdef, params)(tokens_BxC, cache, plan, kernel=kernel, attend=attend)
+        return nnx.merge(graphdef, params)(tokens_BxC, cache, plan, kernel=kernel, attend=attend, matmul=matmul)
 
     return apply_fn, params
+
+
+WEIGHT_FORMATS = ("auto", "blocks", "dense")
 
 
 @dataclasses.dataclass
@@ -172,6 +206,7 @@ class LoadedModel:
     model: Llama
     path: str
     dtype: str
+    weight_format: str = "dense"  # "blocks" when some matrices are held as a GGUF's blocks (load_model)
     _tokenizer: object = None
     _split: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -228,10 +263,9 @@ class LoadedModel:
                 "dtype": self.dtype}
 
 
-@functools.lru_cache(maxsize=1)
-def _load_cached(path: str, dtype: str) -> LoadedModel:
-    """One loaded model per process (a second path or dtype replaces it: two copies of the weights never
-    stay alive through this cache).
+def read_model(path: str, dtype: str = "float32", *, blocks: bool = False) -> LoadedModel:
+    """A LoadedModel read from `path` (not cached: `load_model` is what applications call). blocks: keep a GGUF's
+    Q4_0 / Q4_1 / Q8_0 matrices as BlockWeights.
 
     Each canonical tensor goes to the device as soon as it is read (on CPU `jax.device_put` adopts the
     loader's 64-byte aligned buffer; elsewhere it copies, and the wait drops the host copy before the next
@@ -240,20 +274,42 @@ def _load_cached(path: str, dtype: str) -> LoadedModel:
     from rsqr_jax.models.loading import iter_weights, load_config
 
     config = load_config(path)
-    weights = {}
-    for name, w in iter_weights(path, config):
-        w = w if w.dtype == jnp.dtype(dtype) else w.astype(jnp.dtype(dtype))
-        weights[name] = jax.device_put(w).block_until_ready()  # CPU: adopts the aligned buffer, no copy
+    weights, held = {}, set()
+    for name, w in iter_weights(path, config, blocks=blocks):
+        if isinstance(w, BlockWeights):
+            held.add(name)
+            w = jax.tree.map(jax.device_put, w)
+        else:
+            w = w if w.dtype == jnp.dtype(dtype) else w.astype(jnp.dtype(dtype))
+            w = jax.device_put(w)  # CPU: adopts the aligned buffer, no copy
+        weights[name] = jax.block_until_ready(w)
         del w
-    return LoadedModel(config, Llama(config, weights, dtype=jnp.dtype(dtype)), path, dtype)
+    return LoadedModel(config, Llama(config, weights, dtype=jnp.dtype(dtype)), path, str(jnp.dtype(dtype)),
+                       weight_format="blocks" if held else "dense")
 
 
-def load_model(path: str | None = None, dtype: str = "float32") -> LoadedModel:
-    """Load a GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct) with weights in `dtype`."""
+@functools.lru_cache(maxsize=1)
+def _load_cached(path: str, dtype: str, blocks: bool) -> LoadedModel:
+    """One loaded model per process (a second path, dtype or weight format replaces it: two copies of the
+    weights never stay alive through this cache)."""
+    return read_model(path, dtype, blocks=blocks)
+
+
+def load_model(path: str | None = None, dtype: str = "float32", *, weight_format: str = "auto") -> LoadedModel:
+    """Load a GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct) with weights in `dtype`.
+
+    weight_format: "dense" holds every weight as a `dtype` array; "blocks" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 matrices
+    as their int8 codes and scales, dequantized inside each step (a quarter of the bytes read per token, the
+    same logits bit for bit; rsqr_jax.models.blocks); "auto" (the default) is "blocks" on a CPU, where decode is
+    bound by the bytes of weights read, and "dense" elsewhere. A file without such blocks (an HF directory, a
+    float GGUF) loads dense under any setting."""
     from rsqr_jax.models.loading import default_model_path
 
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
     path = default_model_path() if path is None else str(path)
-    return _load_cached(path, str(jnp.dtype(dtype)))
+    blocks = weight_format == "blocks" or (weight_format == "auto" and jax.default_backend() == "cpu")
+    return _load_cached(path, str(jnp.dtype(dtype)), blocks)
 
 
 def forward_logits(path_or_loaded, token_ids: np.ndarray, *, dtype: str = "float32") -> np.ndarray:

@@ -89,13 +89,15 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     return source.load_config(p)
 
 
-def iter_weights(path: str | os.PathLike | None = None,
-                 config: ModelConfig | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, float32 canonical array) one at a time, each checked against `canonical_shapes(config)`."""
+def iter_weights(path: str | os.PathLike | None = None, config: ModelConfig | None = None, *,
+                 blocks: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 canonical array) one at a time, each checked against `canonical_shapes(config)`.
+    blocks: a GGUF's Q4_0 / Q4_1 / Q8_0 matrices as `rsqr_jax.models.blocks.BlockWeights` (exact; an HF
+    directory has none)."""
     p, source = _resolve(path)
     config = source.load_config(p) if config is None else config
     seen = set()
-    for name, w in source.iter_weights(p, config):
+    for name, w in source.iter_weights(p, config, **({"blocks": True} if blocks and source is gguf else {})):
         seen.add(name)
         yield name, w
     missing = canonical_shapes(config).keys() - seen

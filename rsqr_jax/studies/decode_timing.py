@@ -150,7 +150,7 @@ def hf_model_from_ours(loaded):
                          max_position_embeddings=max(cfg.max_position_embeddings, 1 << 16),
                          tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="eager")
     model = LlamaForCausalLM(hf_cfg).to(torch.float32).eval()
-    w = lambda name: np.asarray(getattr(m, name)[...], np.float32)  # noqa: E731
+    w = lambda name: np.asarray(m.weight(name), np.float32)  # noqa: E731
     t = lambda x: torch.from_numpy(np.array(x, np.float32, copy=True))  # noqa: E731
     sd = {"model.embed_tokens.weight": t(w("embed")), "model.norm.weight": t(w("final_norm"))}
     names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",

@@ -1,0 +1,112 @@
+"""Weights as a GGUF file stores them: int8 codes in blocks of 32, a scale (and for Q4_1 an offset) per block.
+
+Decode at batch 1 on a CPU reads every weight once per token, so its speed is set by the bytes of weights read.
+A Q4_0 / Q4_1 / Q8_0 tensor holds, per block of 32 values along its input axis, 32 small integer codes and
+a float16 scale d (and a float16 minimum m for Q4_1): value = d * code (+ m). Kept as int8 codes with float32
+scales, a matrix takes a quarter of the bytes of its float32 form, and the decoder dequantizes it inside the
+jitted step (`BlockWeights.dense`), where XLA:CPU keeps each layer's dequantized matrix in cache instead of
+reading it from memory (docs/speed.md §4 measures the formats tried).
+
+Exact: d * code is exact in float32 (an 11-bit mantissa times an integer of at most 8 bits), so d * code + m
+rounds once, as gguf-py's float32 dequantization does: `dense()` is the float32 weight bit for bit, and the
+model's logits are those of the float32 path bit for bit (tests/test_blocks.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32
+# GGUF tensor types held exactly as int8 codes: name -> (bytes per block, has an offset)
+BLOCK_TYPES = {"Q4_0": (2 + BLOCK // 2, False), "Q4_1": (4 + BLOCK // 2, True), "Q8_0": (2 + BLOCK, False)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockWeights:
+    """One weight (or a layer stack of them) in blocks of 32 along its axis `block_axis` (static: -2 for a
+    canonical `x @ W` matrix [..., in, out], blocks along `in`; -1 for the embedding [V, H], blocks along H).
+
+    Held with that axis split in two, (n / 32, 32), the layout XLA:CPU dequantizes fastest inside a step:
+    codes: int8 [..., n / 32, 32, ...]; scale: float32 [..., n / 32, 1, ...]; offset: float32 like scale (Q4_1's
+    minimum), or None (Q4_0, Q8_0)."""
+
+    codes: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    block_axis: int = dataclasses.field(default=-2, metadata=dict(static=True))
+
+    @classmethod
+    def from_blocks(cls, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, block_axis: int):
+        """From codes of the weight's shape and scale / offset with one entry per block along block_axis."""
+        ax = block_axis % codes.ndim
+        split = lambda a, n: a.reshape(a.shape[:ax] + (a.shape[ax] // n, n) + a.shape[ax + 1:])  # noqa: E731
+        return cls(split(codes, BLOCK), split(scale, 1), None if offset is None else split(offset, 1), block_axis)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape (the block axis whole)."""
+        c = self.codes.shape
+        ax = self.block_axis % (len(c) - 1)
+        return c[:ax] + (c[ax] * c[ax + 1],) + c[ax + 2:]
+
+    def dense(self, dtype=jnp.float32) -> jax.Array:
+        """The weight as `dtype` (float32 arithmetic, cast last: the float32 path's values bit for bit)."""
+        w = self.codes.astype(jnp.float32) * self.scale
+        if self.offset is not None:
+            w = w + self.offset
+        return w.reshape(self.shape).astype(dtype)
+
+    def rows(self, index, dtype=jnp.float32) -> jax.Array:
+        """Rows `index` of a weight blocked along its last axis (the embedding), dequantized: [*index.shape, H]."""
+        if self.block_axis != -1:
+            raise ValueError("rows() needs a weight blocked along its last axis (the embedding)")
+        take = lambda a: None if a is None else jnp.take(a, index, axis=0)  # noqa: E731
+        return BlockWeights(take(self.codes), take(self.scale), take(self.offset), -1).dense(dtype)
+
+
+def logits(h: jax.Array, w, dtype) -> jax.Array:
+    """float32 h @ w.T for an output matrix w [V, H] held row-wise (the tied embedding): h [..., H] -> [..., V].
+
+    A BlockWeights is dequantized a chunk of rows at a time under a loop: XLA:CPU would otherwise write the
+    whole [V, H] float32 matrix to memory at every step before reading it back (four times the bytes of its
+    codes). Chunks of rows do not change a logit: each is the same H-long dot."""
+    dot = lambda a, b: jax.lax.dot_general(a, b, (((a.ndim - 1,), (1,)), ((), ())),  # noqa: E731
+                                           precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if not isinstance(w, BlockWeights):
+        return dot(h, w)
+    V = w.codes.shape[0]
+    rows = next((r for r in range(min(V, 4096), 0, -1) if V % r == 0), V)  # the largest chunk <= 4096 dividing V
+    if rows < 256:  # no useful divisor: one piece
+        return dot(h, w.dense(dtype))
+    chunked = jax.tree.map(lambda a: a.reshape((V // rows, rows) + a.shape[1:]), w)
+    out = jax.lax.map(lambda part: dot(h, part.dense(dtype)), chunked)  # [V / rows, ..., rows]
+    return jnp.moveaxis(out, 0, -2).reshape(h.shape[:-1] + (V,))
+
+
+def dense(w, dtype=None):
+    """A weight's array: `w` itself, or a BlockWeights dequantized (to `dtype`, default float32)."""
+    return w.dense(jnp.float32 if dtype is None else dtype) if isinstance(w, BlockWeights) else w
+
+
+def decode_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(codes int8 [rows, n], scale float32 [rows, n/32], offset or None) of a GGUF tensor's raw bytes
+    [rows, bytes per row] of type Q4_0, Q4_1 or Q8_0 (ggml's block layouts: a float16 d, for Q4_1 a float16 m,
+    then the codes; a 4-bit block's byte j holds value j in its low nibble and value j + 16 in its high one)."""
+    size, has_offset = BLOCK_TYPES[type_name]
+    rows = raw.shape[0]
+    b = np.ascontiguousarray(raw, np.uint8).reshape(rows, -1, size)
+    scale = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    offset = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_offset else None
+    q = b[..., 4 if has_offset else 2:]
+    if type_name == "Q8_0":
+        codes = q.view(np.int8)
+    else:
+        codes = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int8)
+        if type_name == "Q4_0":
+            codes = codes - np.int8(8)
+    return codes.reshape(rows, -1), scale, offset
