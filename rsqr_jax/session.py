@@ -143,12 +143,16 @@ class Session:
     def warmup(self) -> None:
         """Compile the prefill and generation functions now (so timings exclude compilation; `compile_s`).
 
-        Runs each once on a throwaway copy of the cache, so the session's state is untouched."""
+        Runs each once on a throwaway cache, so the session's state is untouched. A session that holds nothing
+        yet lends its own (empty) cache and gets a new empty one, so a cache never exists twice: with a large
+        cold store, a copy would add its size to the process's peak memory."""
         for name in ("prefill", "decode", "generate"):
             if name in self._warm:
                 continue
             t0 = time.perf_counter()
-            scratch = jax.tree.map(jnp.copy, self.cache)
+            empty = self.n_tokens == 0 and int(self.cache.start) == 0 and self.pinned == 0
+            scratch = self.cache if empty else jax.tree.map(jnp.copy, self.cache)
+            self.cache = None if empty else self.cache
             if name == "generate":
                 out = self.decoder.generate(self.params, jnp.zeros((1,), jnp.int32), scratch, None, self.state,
                                             self._values, 0, self.eos_ids)
@@ -157,6 +161,9 @@ class Session:
                 out = self.decoder.feed_and_sample(self.params, np.zeros((1, c), np.int32), scratch, None, c,
                                                    self.state, self._values)
             jax.block_until_ready(out)
+            del out, scratch  # before the next cache exists
+            if self.cache is None:
+                self.cache = init_cache(self.spec)
             self._warm.add(name)
             self.compile_s += time.perf_counter() - t0
 

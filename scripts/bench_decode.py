@@ -8,7 +8,10 @@ time is reported apart (rsqr_jax.studies.decode_timing). HF's model holds our ve
     python scripts/bench_decode.py --policy rsqr --delta 8 --max-survivors 64
     python scripts/bench_decode.py --quick                  # tiny sanity run
     python scripts/bench_decode.py --no-hf --cached 4096    # ours only
+    python scripts/bench_decode.py --no-hf --vs-llama-cpp --cached 128 2048   # and llama.cpp, same GGUF
 
+--vs-llama-cpp (the `bench` extra: llama-cpp-python) times llama.cpp on the same file and token ids, its rounds
+interleaved with ours, then the peak RSS of decode.py and llama.cpp completing the same prompt in child processes.
 Each row also times our decoding under a chat sampler next to greedy, and the sampler alone (--no-sampled: off).
 
 Writes DIR/bench_decode.json and bench_decode.md (--out DIR); --json prints the JSON on stdout.
@@ -34,6 +37,10 @@ def build_parser() -> Parser:
                    help="one core for both sides (the process is pinned to one CPU; torch 1 thread): "
                    "robust on a busy machine")
     p.add_argument("--no-hf", action="store_true", help="skip HF (ours only)")
+    p.add_argument("--vs-llama-cpp", action="store_true",
+                   help="also llama.cpp (llama-cpp-python) on the same GGUF and token ids, --threads threads, the rounds "
+                   "interleaved; then the peak RSS of decode.py and of llama.cpp on the same prompt, each in a child")
+    p.add_argument("--rss-prompt-tokens", type=int, default=1024, help="prompt tokens of the peak-RSS runs")
     p.add_argument("--no-sampled", action="store_true",
                    help="skip the chat-sampler timings (temperature 0.7, top_k 40, top_p 0.95, min_p 0.05, "
                    "repeat_penalty 1.1 over 64; end to end and the sampler alone)")
@@ -45,6 +52,43 @@ def build_parser() -> Parser:
     add_policy_args(p, default_policy="full")
     add_model_args(p)
     return p
+
+
+def rss_side_by_side(args, path: str, tokenizer) -> dict:
+    """Peak RSS (MiB) of decode.py (its defaults: rsqr + recall; plain rsqr; full) and of llama.cpp through its
+    Python bindings (context: the model's 8192 positions, as llama-cli's default), each a fresh child process
+    completing the same prompt greedily for --new tokens; two rounds, the larger peak of each kept."""
+    import sys
+    import tempfile
+
+    from rsqr_jax.eval.runtime import read_text, status
+    from rsqr_jax.studies import decode_timing as B
+
+    ids = tokenizer.encode(read_text(args.text), add_special_tokens=False)[:args.rss_prompt_tokens]
+    prompt = tokenizer.decode(ids)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    common = [sys.executable, script, "--raw", "--prompt-file", f.name, "--max-new-tokens", str(args.new),
+              "--temperature", "0"] + (["--model", args.model] if args.model else [])
+    lcpp = (f"import llama_cpp; llm = llama_cpp.Llama(model_path={path!r}, n_ctx=8192, n_threads={args.threads}, "
+            f"verbose=False); llm(open({f.name!r}).read(), max_tokens={args.new}, temperature=0)")
+    cmds = {"decode.py (rsqr + recall: its defaults)": common,
+            "decode.py --recall-pages 0 (plain rsqr)": common + ["--recall-pages", "0"],
+            "decode.py --policy full": common + ["--policy", "full"],
+            "llama.cpp (n_ctx 8192)": [sys.executable, "-c", lcpp]}
+    out = {}
+    try:
+        for _ in range(2):
+            for name, cmd in cmds.items():
+                r = B.peak_rss(cmd)
+                if r["exit"] != 0:
+                    raise B.ConfigError(f"{name} failed (exit {r['exit']}): {r['last_stderr']}")
+                out[name] = max(out.get(name, 0.0), r["peak_rss_mib"])
+                status(f"peak RSS {name}: {r['peak_rss_mib']:.0f} MiB")
+    finally:
+        os.unlink(f.name)
+    return {"prompt_tokens": len(ids), "new_tokens": args.new, "mib": out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     config.check()  # before the model loads
     if not args.no_hf and args.dtype != "float32":
         raise ConfigError("the HF comparison runs float32 (use --dtype float32 or --no-hf)")
+    if args.vs_llama_cpp:  # before the model loads
+        from rsqr_jax.models.loading import default_model_path
+
+        B.require_llama_cpp(args.model or default_model_path())
     loaded, apply_fn, params = load_model_from_args(args)
     status(f"model {loaded.path} loaded; policy {args.policy}, {args.dtype}")
     hf = None
@@ -74,8 +122,15 @@ def main(argv: list[str] | None = None) -> int:
 
         transformers.logging.set_verbosity_error()
         hf = B.hf_model_from_ours(loaded)
-    meta = {k: getattr(args, k) for k in ("no_hf", "quick", "out", "model", "kernel")}
-    result = B.run(config, apply_fn, params, loaded.config, loaded.tokenizer, hf_model=hf, meta=meta)
+    lcpp = None
+    if args.vs_llama_cpp:
+        lcpp = B.llama_cpp_model(loaded.path, args.threads, n_ctx=max(args.cached) * 2 + args.new + 256)
+    meta = {k: getattr(args, k) for k in ("no_hf", "quick", "out", "model", "kernel", "weight_format")}
+    meta["weights"] = loaded.weight_format
+    result = B.run(config, apply_fn, params, loaded.config, loaded.tokenizer, hf_model=hf, llama_cpp=lcpp, meta=meta)
+    if args.vs_llama_cpp:
+        del lcpp
+        result.data["peak_rss"] = rss_side_by_side(args, loaded.path, loaded.tokenizer)
     print(json.dumps(result.data) if args.json else result.markdown())
     if args.out:
         result.write_json(os.path.join(args.out, "bench_decode.json"))

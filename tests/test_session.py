@@ -110,6 +110,32 @@ def test_resume_restores_the_rng_key(tmp_path):
     assert r.generate(20) != want, f"data seed {DATA_SEED}"
 
 
+def test_warmup_leaves_the_session_as_it_was():
+    """warmup compiles by running each function once: an empty session lends its own cache (donated, so it is
+    never copied) and gets a new empty one; a session mid-stream runs on a copy. Either way the continuation
+    is the one a session without warmup gives, bit for bit."""
+    kw = dict(sampling=Sampling(temperature=8.0, top_k=50), seed=3)
+    prompt = _prompts(1)[0]
+    plain, fresh = make_session("rsqr", **kw), make_session("rsqr", **kw)
+    lent = fresh.cache.win_k
+    fresh.warmup()
+    assert lent.is_deleted() and not fresh.cache.win_k.is_deleted()  # the empty cache was lent, not copied
+    assert fresh.n_tokens == 0 and fresh._warm == {"prefill", "decode", "generate"}
+    for s in (plain, fresh):
+        s.feed(prompt)
+        s.generate(4)
+    _assert_same_state(plain, fresh)
+    mid = make_session("rsqr", **kw)  # mid-stream: the copy path
+    mid.feed(prompt)
+    mid.generate(4)
+    before = _state(mid)
+    kept = mid.cache.win_k
+    mid.warmup()
+    assert not kept.is_deleted() and mid.cache.win_k is kept
+    assert all(np.array_equal(v, _state(mid)[k]) for k, v in before.items())
+    assert mid.generate(6) == plain.generate(6), f"data seed {DATA_SEED}"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Bad files.
 

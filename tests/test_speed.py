@@ -219,3 +219,69 @@ def test_bench_decode_matches_hf_greedy_on_the_tiny_model(tmp_path):
     bounded = B.run(dataclasses.replace(config, policy=P.rsqr(), cached=(32,)), apply_fn, params, CFG, tok)
     (row,) = bounded.data["rows"]
     assert row["cached_after_decode_ours"] == 32 and row["prompt_tokens_ours"] == 88 and "hf_tok_s" not in row
+
+
+class _TorchAsLlamaCpp:
+    """llama-cpp-python's decoding surface (reset / eval(ids) / sample(temp=0.0)) over an HF torch model, so the
+    llama.cpp side of bench_decode runs without the package: a second engine whose greedy tokens must equal ours."""
+
+    def __init__(self, hf):
+        self.hf, self.ids = hf, []
+
+    def reset(self):
+        self.ids = []
+
+    def eval(self, ids):
+        self.ids += [int(i) for i in ids]
+
+    def sample(self, temp):
+        import torch
+
+        assert temp == 0.0
+        with torch.no_grad():
+            return int(self.hf(torch.tensor([self.ids])).logits[0, -1].argmax())
+
+
+def test_bench_decode_llama_cpp_side_on_the_tiny_model(tmp_path):
+    """The llama.cpp columns: the other engine decodes the same token ids (its greedy tokens agree with ours),
+    its prefill and decode are timed in the same rounds, and the table names both."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    model = Llama(CFG, tiny_weights(CFG, 0), dtype=jnp.float32)
+    apply_fn, params = split_apply(model)
+    other = _TorchAsLlamaCpp(B.hf_model_from_ours(SimpleNamespace(config=CFG, model=model)))
+    (tmp_path / "t.txt").write_text(TEXT)
+    config = B.BenchConfig(text=str(tmp_path / "t.txt"), cached=(24,), new=10, repeats=2, prefill_chunk=8,
+                           threads=1, sampled=False)
+    res = B.run(config, apply_fn, params, CFG, ByteTokenizer(CFG.vocab_size), llama_cpp=other)
+    (row,) = res.data["rows"]
+    assert row["greedy_agreement_llama_cpp"] == 1.0, row
+    assert len(other.ids) == row["prompt_tokens_ours"] + 10  # the prompt, then one eval per decoded token
+    assert len(row["llama_cpp_tok_s_all"]) == 2 and row["llama_cpp_tok_s"] == max(row["llama_cpp_tok_s_all"])
+    assert row["vs_llama_cpp"] == pytest.approx(row["ours_tok_s"] / row["llama_cpp_tok_s"])
+    assert "| llama.cpp tok/s | ours/llama.cpp |" in res.markdown()
+
+
+def test_vs_llama_cpp_refuses_without_the_package_or_a_gguf(monkeypatch, tmp_path):
+    """Checked before any model loads: one line naming what to install, or that llama.cpp reads only GGUF."""
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)  # import llama_cpp fails as if absent
+    with pytest.raises(B.ConfigError, match=r"needs llama-cpp-python: pip install"):
+        B.require_llama_cpp("m.gguf")
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", __import__("types").ModuleType("llama_cpp"))
+    with pytest.raises(B.ConfigError, match="needs a GGUF model"):
+        B.require_llama_cpp(str(tmp_path))
+    assert B.require_llama_cpp("m.gguf").__name__ == "llama_cpp"
+
+
+def test_peak_rss_is_the_childs_own():
+    """A child that allocates 256 MiB reports at least that; a bare interpreter reports far less than this
+    process holds (a parent's high-water mark must not leak into the child's figure)."""
+    import sys
+
+    held = np.ones(96 << 20)  # 768 MiB touched in this process
+    big = B.peak_rss([sys.executable, "-c", "import numpy as np; a = np.ones(32 << 20); print(a.sum())"])
+    small = B.peak_rss([sys.executable, "-c", "pass"])
+    assert big["exit"] == 0 == small["exit"] and held[-1] == 1.0
+    assert big["peak_rss_mib"] >= 256 and small["peak_rss_mib"] < 100, (big, small)
+    assert B.peak_rss([sys.executable, "-c", "raise SystemExit(3)"])["exit"] == 3

@@ -195,6 +195,76 @@ def hf_run(model, prompt: list[int], n_new: int):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The llama.cpp side (llama-cpp-python, an optional dependency: `pip install llama-cpp-python`).
+
+
+def require_llama_cpp(path: str):
+    """The llama_cpp module, checked before any model loads: a one-line error without the package or a GGUF."""
+    try:
+        import llama_cpp
+    except ModuleNotFoundError:
+        raise ConfigError("--vs-llama-cpp needs llama-cpp-python: pip install 'rsqr-jax[bench]' "
+                          "(or pip install llama-cpp-python)") from None
+    if not path.endswith(".gguf"):
+        raise ConfigError(f"--vs-llama-cpp needs a GGUF model (llama.cpp reads only GGUF), not {path}")
+    return llama_cpp
+
+
+def llama_cpp_model(path: str, threads: int, n_ctx: int):
+    """llama.cpp's own model of the same GGUF file (its own kernels on the file's blocks), `threads` threads."""
+    llama_cpp = require_llama_cpp(path)
+    return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                           n_batch=512, verbose=False)
+
+
+def llama_cpp_run(llm, prompt: list[int], n_new: int):
+    """(prefill_s, decode_s, decode_cpu_s, tokens) for greedy decoding of the same token ids with llama.cpp."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    nxt = int(llm.sample(temp=0.0))
+    prefill = time.perf_counter() - t0
+    toks = []
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(n_new):
+        toks.append(nxt)
+        llm.eval([nxt])
+        nxt = int(llm.sample(temp=0.0))
+    return prefill, time.perf_counter() - t0, time.process_time() - c0, toks
+
+
+# Runs argv[2:] in a child and writes the child's own peak RSS (KiB, wait4's ru_maxrss) to argv[1]: what
+# `/usr/bin/time -f %M` reports, without needing that program.
+_RSS_SHIM = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def peak_rss(cmd: list[str]) -> dict:
+    """Peak resident memory (MiB) of `cmd` run to its end, and its exit status.
+
+    The command is forked by a small interpreter, not by this process: Linux records the memory image a process
+    replaces at exec in its peak, and a child forked from this process (which holds a model) starts as a copy
+    of it."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as f:
+        proc = subprocess.run([sys.executable, "-c", _RSS_SHIM, f.name, *cmd], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        kib = f.read().strip()
+    err = proc.stderr.strip().splitlines()
+    return {"peak_rss_mib": int(kib) / 1024 if kib.isdigit() else float("nan"),
+            "exit": proc.returncode, "last_stderr": err[-1] if err else ""}
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -206,6 +276,7 @@ class BenchResult:
     def markdown(self) -> str:
         a, rows = self.data["args"], self.data["rows"]
         hf = any("hf_tok_s" in r for r in rows)
+        lcpp = any("llama_cpp_tok_s" in r for r in rows)
         lines = [f"Decode speed, {a['new']} new greedy tokens, {a['dtype']}, policy {a['policy']}, "
                  f"{self.data['machine']['cpus']} CPUs (HF torch threads {a['threads']}"
                  f"{', pinned to one core' if a['single_thread'] else ''}); load average "
@@ -213,7 +284,9 @@ class BenchResult:
         sampled = any("sampled_tok_s" in r for r in rows)
         head = ["cached", "ours tok/s", "ours ms/tok"] + (["sampled tok/s", "sampled ms/tok"] if sampled else []) + \
             (["HF tok/s", "HF ms/tok", "ours/HF", "CPU-time ratio",
-                                                           "greedy agree"] if hf else [])
+                                                           "greedy agree"] if hf else []) + \
+            (["llama.cpp tok/s", "ours/llama.cpp", "prefill tok/s ours / llama.cpp", "greedy agree (llama.cpp)"]
+             if lcpp else [])
         lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for r in rows:
             cells = [str(r["cached"]), f"{r['ours_tok_s']:.1f}", f"{r['ours_ms_per_token']:.1f}"]
@@ -223,7 +296,15 @@ class BenchResult:
                 agree = r.get("greedy_agreement")
                 cells += [f"{r['hf_tok_s']:.1f}", f"{r['hf_ms_per_token']:.1f}", f"{r['ratio']:.2f}x",
                           f"{r['cpu_ratio']:.2f}x", "-" if agree is None else f"{agree:.0%}"]
+            if lcpp:
+                cells += [f"{r['llama_cpp_tok_s']:.1f}", f"{r['vs_llama_cpp']:.2f}x",
+                          f"{r['prefill_tok_s']:.0f} / {r['llama_cpp_prefill_tok_s']:.0f}",
+                          f"{r['greedy_agreement_llama_cpp']:.0%}"]
             lines.append("| " + " | ".join(cells) + " |")
+        rss = self.data.get("peak_rss")
+        if rss:
+            lines += ["", f"Peak RSS, a child process completing {rss['prompt_tokens']} prompt tokens greedily for "
+                      f"{rss['new_tokens']} more (MiB):", ""] + [f"* {k}: {v:.0f}" for k, v in rss["mib"].items()]
         if sampled:
             lines += ["", f"sampled: {self.data['sampling']}", "",
                       "Sampler alone, one row of the vocabulary (ms per call):", ""]
@@ -234,9 +315,10 @@ class BenchResult:
         write_json_atomic(path, self.data)
 
 
-def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_model=None,
+def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_model=None, llama_cpp=None,
         meta: dict | None = None) -> BenchResult:
-    """Benchmark ours (apply_fn, params) and, when given, `hf_model` (from hf_model_from_ours) row by row."""
+    """Benchmark ours (apply_fn, params) and, when given, `hf_model` (from hf_model_from_ours) and `llama_cpp`
+    (from llama_cpp_model, on the same GGUF and token ids) row by row, the measurements interleaved."""
     config.check()
     if hf_model is not None:
         import torch
@@ -264,7 +346,7 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
         s.feed(text_ids[:chunk])
         s.generate(2)  # first execution of the compiled functions, untimed
         prompt, hf_prompt = text_ids[:prompt_len], text_ids[:cached]
-        o_meas, h_meas, s_meas = [], [], []
+        o_meas, h_meas, s_meas, l_meas = [], [], [], []
         for _ in range(config.repeats):  # interleaved, so both sides see the same machine load
             if config.sampled:  # same compiled functions as greedy: the settings are data
                 s = new_session(CHAT_SAMPLING)
@@ -282,6 +364,9 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
             if hf_model is not None:
                 h_pre, h_dt, h_cpu, h_toks = hf_run(hf_model, hf_prompt, config.new)
                 h_meas.append((h_pre, h_dt, h_cpu))
+            if llama_cpp is not None:
+                l_pre, l_dt, l_cpu, l_toks = llama_cpp_run(llama_cpp, prompt, config.new)
+                l_meas.append((l_pre, l_dt, l_cpu))
         o_best, o_cpu = min(d for _, d, _ in o_meas), min(c for _, _, c in o_meas)
         row = {"cached": cached, "prompt_tokens_ours": len(prompt), "new_tokens": config.new,
                "policy": policy.name, "win_capacity": spec.win_capacity, "surv_capacity": spec.surv_capacity,
@@ -303,10 +388,21 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
                 first_diff = next((i for i, (a, b) in enumerate(zip(o_toks, h_toks)) if a != b), None)
                 row.update(greedy_agreement=float(np.mean(np.asarray(o_toks) == np.asarray(h_toks[:len(o_toks)]))),
                            first_divergence=first_diff)
+        if llama_cpp is not None:
+            l_best, l_cpu = min(d for _, d, _ in l_meas), min(c for _, _, c in l_meas)
+            row.update(llama_cpp_tok_s=config.new / l_best, llama_cpp_ms_per_token=1e3 * l_best / config.new,
+                       llama_cpp_tok_s_all=[config.new / d for _, d, _ in l_meas],
+                       llama_cpp_prefill_s=min(p for p, _, _ in l_meas),
+                       prefill_tok_s=len(prompt) / row["ours_prefill_s"],
+                       llama_cpp_prefill_tok_s=len(prompt) / min(p for p, _, _ in l_meas),
+                       vs_llama_cpp=l_best / o_best, vs_llama_cpp_prefill=min(p for p, _, _ in l_meas) / row["ours_prefill_s"],
+                       greedy_agreement_llama_cpp=float(np.mean(np.asarray(o_toks) == np.asarray(l_toks[:len(o_toks)]))))
         row["loadavg_1min"] = os.getloadavg()[0]
         rows.append(row)
         status(f"C={cached}: ours {row['ours_tok_s']:.1f} tok/s" +
-               (f", HF {row['hf_tok_s']:.1f} tok/s, ratio {row['ratio']:.2f}x" if hf_model is not None else ""))
+               (f", HF {row['hf_tok_s']:.1f} tok/s, ratio {row['ratio']:.2f}x" if hf_model is not None else "") +
+               (f", llama.cpp {row['llama_cpp_tok_s']:.1f} tok/s, ours/llama.cpp {row['vs_llama_cpp']:.2f}x"
+                if llama_cpp is not None else ""))
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                "backend": jax.default_backend(), "loadavg_end": os.getloadavg()[0]}
     if hf_model is not None:
