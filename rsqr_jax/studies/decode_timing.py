@@ -389,7 +389,7 @@ def run(config: BenchConfig, apply_fn, params, model_config, tokenizer, *, hf_mo
                 row.update(greedy_agreement=float(np.mean(np.asarray(o_toks) == np.asarray(h_toks[:len(o_toks)]))),
                            first_divergence=first_diff)
         if llama_cpp is not None:
-            l_best, l_cpu = min(d for _, d, _ in l_meas), min(c for _, _, c in l_meas)
+            l_best = min(d for _, d, _ in l_meas)
             row.update(llama_cpp_tok_s=config.new / l_best, llama_cpp_ms_per_token=1e3 * l_best / config.new,
                        llama_cpp_tok_s_all=[config.new / d for _, d, _ in l_meas],
                        llama_cpp_prefill_s=min(p for p, _, _ in l_meas),
