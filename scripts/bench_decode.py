@@ -54,43 +54,6 @@ def build_parser() -> Parser:
     return p
 
 
-def rss_side_by_side(args, path: str, tokenizer) -> dict:
-    """Peak RSS (MiB) of decode.py (its defaults: rsqr + recall; plain rsqr; full) and of llama.cpp through its
-    Python bindings (context: the model's 8192 positions, as llama-cli's default), each a fresh child process
-    completing the same prompt greedily for --new tokens; two rounds, the larger peak of each kept."""
-    import sys
-    import tempfile
-
-    from rsqr_jax.eval.runtime import read_text, status
-    from rsqr_jax.studies import decode_timing as B
-
-    ids = tokenizer.encode(read_text(args.text), add_special_tokens=False)[:args.rss_prompt_tokens]
-    prompt = tokenizer.decode(ids)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(prompt)
-    common = [sys.executable, script, "--raw", "--prompt-file", f.name, "--max-new-tokens", str(args.new),
-              "--temperature", "0"] + (["--model", args.model] if args.model else [])
-    lcpp = (f"import llama_cpp; llm = llama_cpp.Llama(model_path={path!r}, n_ctx=8192, n_threads={args.threads}, "
-            f"verbose=False); llm(open({f.name!r}).read(), max_tokens={args.new}, temperature=0)")
-    cmds = {"decode.py (rsqr + recall: its defaults)": common,
-            "decode.py --recall-pages 0 (plain rsqr)": common + ["--recall-pages", "0"],
-            "decode.py --policy full": common + ["--policy", "full"],
-            "llama.cpp (n_ctx 8192)": [sys.executable, "-c", lcpp]}
-    out = {}
-    try:
-        for _ in range(2):
-            for name, cmd in cmds.items():
-                r = B.peak_rss(cmd)
-                if r["exit"] != 0:
-                    raise B.ConfigError(f"{name} failed (exit {r['exit']}): {r['last_stderr']}")
-                out[name] = max(out.get(name, 0.0), r["peak_rss_mib"])
-                status(f"peak RSS {name}: {r['peak_rss_mib']:.0f} MiB")
-    finally:
-        os.unlink(f.name)
-    return {"prompt_tokens": len(ids), "new_tokens": args.new, "mib": out}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_model_args(args)
@@ -130,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     result = B.run(config, apply_fn, params, loaded.config, loaded.tokenizer, hf_model=hf, llama_cpp=lcpp, meta=meta)
     if args.vs_llama_cpp:
         del lcpp
-        result.data["peak_rss"] = rss_side_by_side(args, loaded.path, loaded.tokenizer)
+        result.data["peak_rss"] = B.peak_rss_side_by_side(
+            loaded.path, loaded.tokenizer, text=args.text, prompt_tokens=args.rss_prompt_tokens, new=args.new,
+            threads=args.threads, model_arg=args.model)
     print(json.dumps(result.data) if args.json else result.markdown())
     if args.out:
         result.write_json(os.path.join(args.out, "bench_decode.json"))

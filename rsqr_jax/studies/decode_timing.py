@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax.cache import cached_positions
-from rsqr_jax.eval.runtime import ConfigError, read_tokens, status, write_json_atomic
+from rsqr_jax.eval.runtime import ConfigError, read_text, read_tokens, status, write_json_atomic
 from rsqr_jax.policy import FULL, Policy
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, sample
 from rsqr_jax.session import Session
@@ -262,6 +262,40 @@ def peak_rss(cmd: list[str]) -> dict:
     err = proc.stderr.strip().splitlines()
     return {"peak_rss_mib": int(kib) / 1024 if kib.isdigit() else float("nan"),
             "exit": proc.returncode, "last_stderr": err[-1] if err else ""}
+
+
+def peak_rss_side_by_side(gguf_path: str, tokenizer, *, text: str, prompt_tokens: int, new: int, threads: int,
+                          model_arg: str | None = None, rounds: int = 2) -> dict:
+    """Peak RSS (MiB) of the decode command (its defaults: rsqr + recall; plain rsqr; full) and of llama.cpp
+    through its Python bindings (context: the model's 8192 positions, as llama-cli's default), each a fresh child
+    completing the same prompt (the first `prompt_tokens` tokens of `text`) greedily for `new` tokens; the
+    larger peak of `rounds` rounds is kept."""
+    import sys
+    import tempfile
+
+    ids = tokenizer.encode(read_text(text), add_special_tokens=False)[:prompt_tokens]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(tokenizer.decode(ids))
+    common = [sys.executable, "-m", "rsqr_jax.cli.decode", "--raw", "--prompt-file", f.name, "--max-new-tokens",
+              str(new), "--temperature", "0"] + (["--model", model_arg] if model_arg else [])
+    lcpp = (f"import llama_cpp; llm = llama_cpp.Llama(model_path={gguf_path!r}, n_ctx=8192, n_threads={threads}, "
+            f"verbose=False); llm(open({f.name!r}).read(), max_tokens={new}, temperature=0)")
+    cmds = {"decode.py (rsqr + recall: its defaults)": common,
+            "decode.py --recall-pages 0 (plain rsqr)": common + ["--recall-pages", "0"],
+            "decode.py --policy full": common + ["--policy", "full"],
+            "llama.cpp (n_ctx 8192)": [sys.executable, "-c", lcpp]}
+    out: dict[str, float] = {}
+    try:
+        for _ in range(rounds):
+            for name, cmd in cmds.items():
+                r = peak_rss(cmd)
+                if r["exit"] != 0:
+                    raise ConfigError(f"{name} failed (exit {r['exit']}): {r['last_stderr']}")
+                out[name] = max(out.get(name, 0.0), r["peak_rss_mib"])
+                status(f"peak RSS {name}: {r['peak_rss_mib']:.0f} MiB")
+    finally:
+        os.unlink(f.name)
+    return {"prompt_tokens": len(ids), "new_tokens": new, "mib": out}
 
 
 # ----------------------------------------------------------------------------------------------------
