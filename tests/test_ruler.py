@@ -110,4 +110,51 @@ def test_bad_input_one_line_errors():
         ("eval_ruler.py", ["--limits", "a"], "--limits must be comma-separated integers"),
         ("eval_ruler.py", ["--tasks", "ruler_vt", "--seq-len", "512"], "ruler_vt needs seq_len >= 1024"),
         ("eval_ruler.py", ["--window", "4096"], "window must be in"),
+        ("eval_ruler.py", ["--answer", "ruler_cwe"], "the tasks to answer must be some of the tasks"),
+        ("eval_ruler.py", ["--merge", "/nonexistent/r.json"], "--merge /nonexistent/r.json: not a readable RULER"),
     ])
+
+
+def test_answer_generates_every_task_but_runs_only_the_chosen(quick, monkeypatch):
+    """--answer: every task is still generated (so each keeps its samples), only the chosen go to the model."""
+    import lm_eval
+
+    from rsqr_jax.cli.eval_ruler import build_parser, spec_from
+    from rsqr_jax.eval import lm_eval_model, ruler
+
+    root, args, _, result, _ = quick
+    spec = spec_from(build_parser().parse_args([*args, "--answer", "ruler_fwe,ruler_vt"]))
+    assert spec.answer == ("ruler_fwe", "ruler_vt")
+    asked = []
+
+    class NoModel:
+        engine = type("E", (), {"generate": staticmethod(lambda batch: [])})()
+
+    monkeypatch.setattr(lm_eval_model.RsqrLM, "from_model_args", classmethod(lambda cls, *a, **k: NoModel()))
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: asked.append([t.config.task for t in kw["tasks"]]))
+    out = ruler.run_ruler(spec, (None,) * 4, str(root / "cache" / "tokenizer"), str(root / "cache"), log=lambda s: None)
+    assert asked == [["ruler_vt", "ruler_fwe"]] * len(POLICIES)  # in --tasks order, once per policy
+    assert out["cells"] == result["cells"]  # every task reported from the cache: the same samples and answers
+
+
+def test_merge_keeps_the_longer_cell_and_refuses_other_samples(quick):
+    import copy
+
+    from rsqr_jax.eval.ruler import merge_reports
+    from rsqr_jax.eval.runtime import ConfigError
+
+    _, _, _, result, _ = quick
+    earlier = copy.deepcopy(result)
+    longer = earlier["cells"]["ruler_fwe"]["rsqr"]
+    longer.update(n=N + 1, scores=longer["scores"] + [1.0], targets=longer["targets"] + [["w1", "w2", "w3"]])
+    shorter = earlier["cells"]["ruler_vt"]["full"]
+    shorter.update(n=1, scores=shorter["scores"][:1], targets=shorter["targets"][:1])
+    merged = merge_reports(earlier, result)
+    assert merged["cells"]["ruler_fwe"]["rsqr"] == longer and merged["merged_from_earlier"] == ["ruler_fwe/rsqr"]
+    assert merged["cells"]["ruler_vt"]["full"] == result["cells"]["ruler_vt"]["full"]  # the cache's is longer
+    other = copy.deepcopy(earlier)
+    other["cells"]["ruler_fwe"]["rsqr"]["targets"][0] = ["not", "these", "words"]
+    with pytest.raises(ConfigError, match="ruler_fwe / rsqr: the earlier report's samples are not these"):
+        merge_reports(other, result)
+    with pytest.raises(ConfigError, match=r"other settings \(seq_len\)"):
+        merge_reports({**earlier, "config": {**earlier["config"], "seq_len": 4096}}, result)

@@ -23,6 +23,12 @@ def build_parser() -> Parser:
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated RULER tasks (offline ones)")
+    p.add_argument("--answer", default=None, metavar="TASKS",
+                   help="comma-separated: the tasks the model answers (default: every --tasks task; the others are "
+                   "still generated, so every task keeps its samples, and reported from the cache)")
+    p.add_argument("--merge", default=None, metavar="REPORT",
+                   help="an earlier report JSON of the same settings: each cell keeps the longer of its samples and "
+                   "the earlier report's (their shared samples must match)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated: " + ", ".join(POLICIES))
     p.add_argument("--seq-len", type=int, default=4096, help="RULER's max_seq_length: prompt + answer tokens")
     p.add_argument("--limits", default="10,20,30", help="samples per task after each round (increasing)")
@@ -60,7 +66,8 @@ def spec_from(args):
               seq_len=args.seq_len, limits=_ints(args.limits, "--limits"), window=args.window, sinks=args.sinks,
               recall_pages=args.recall_pages, page_size=args.page_size, cold_capacity=args.cold_capacity,
               chunk=args.chunk, max_gen_toks=args.max_gen_toks, seed=args.seed,
-              model=os.path.abspath(args.model) if args.model else "embedded")
+              model=os.path.abspath(args.model) if args.model else "embedded",
+              answer=None if args.answer is None else tuple(t.strip() for t in args.answer.split(",") if t.strip()))
     if args.quick:  # the smoke's sizes
         kw.update(seq_len=1024, limits=(2,), window=64, recall_pages=2, cold_capacity=512, max_gen_toks=8,
                   model="tiny-random")
@@ -91,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     from rsqr_jax.eval.ruler import export_tokenizer, format_table, plot, run_ruler
 
     spec = spec_from(args)  # ConfigError (one line, exit 2) on a bad task, policy or size
+    earlier = None
+    if args.merge is not None:
+        import json
+
+        try:
+            with open(args.merge) as f:
+                earlier = json.load(f)
+            earlier["config"], earlier["cells"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--merge {args.merge}: not a readable RULER report ({type(e).__name__})") from None
     if args.report_only:  # the tokenizer only: no model call
         from rsqr_jax.models.loading import load_tokenizer
 
@@ -98,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         pieces = load_pieces(spec, args.model)
     tok_dir = export_tokenizer(pieces[3], os.path.join(args.cache_dir, "tokenizer"))
-    result = run_ruler(spec, pieces, tok_dir, args.cache_dir, out_json=args.out, run=not args.report_only)
+    result = run_ruler(spec, pieces, tok_dir, args.cache_dir, out_json=args.out, run=not args.report_only,
+                       earlier=earlier)
     print(format_table(result))
     print("model requests answered in this run: " + ", ".join(f"{p} {n}" for p, n in result["model_requests"].items()))
     if args.plot:

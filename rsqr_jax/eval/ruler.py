@@ -62,10 +62,16 @@ class RulerSpec:
     max_gen_toks: int | None = None  # None: each task's own (niah 128, vt 30, fwe 50, cwe 120)
     seed: int = 0
     model: str = "embedded"  # a name for the cache key and the report (the caller loads the model)
+    # The tasks the model answers (None: every one). All of `tasks` are still generated, in order, under the
+    # seed (a task's samples depend on the tasks generated before it) and reported from the caches.
+    answer: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not self.tasks:
             raise ConfigError("no tasks")
+        if self.answer is not None and (not self.answer or any(t not in self.tasks for t in self.answer)):
+            raise ConfigError(f"the tasks to answer must be some of the tasks ({', '.join(self.tasks)}), "
+                              f"got {', '.join(self.answer) or 'none'}")
         for t in self.tasks:
             if t in ESSAY_TASKS:
                 raise ConfigError(f"task {t!r} needs a hub data set (essays / QA); offline tasks: "
@@ -222,11 +228,42 @@ def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = Non
             "cells": cells, **(extra or {})}
 
 
+# What must agree for two reports' cells to be the same cells (the samples then agree too: checked).
+_SAME_CELLS = ("seq_len", "window", "sinks", "recall_pages", "page_size", "cold_capacity", "chunk", "max_gen_toks",
+               "seed", "model")
+
+
+def merge_reports(earlier: dict, result: dict) -> dict:
+    """`result` with, in every cell, the longer of its samples and an earlier report's (say, cells whose caches
+    are gone). The two must share their settings, and the samples they share must have the same targets
+    (the same generated samples): otherwise a ConfigError."""
+    a, b = earlier["config"], result["config"]
+    differ = [k for k in _SAME_CELLS if a.get(k) != b.get(k)]
+    if differ:
+        raise ConfigError(f"the earlier report has other settings ({', '.join(differ)}): its cells are not these")
+    cells = {t: dict(row) for t, row in result["cells"].items()}
+    merged = []
+    for t, row in earlier["cells"].items():
+        for p, old in row.items():
+            new = cells.get(t, {}).get(p)
+            if new is not None:
+                n = min(old["n"], new["n"])
+                if old["targets"][:n] != new["targets"][:n]:
+                    raise ConfigError(f"{t} / {p}: the earlier report's samples are not these (other targets)")
+                if new["n"] >= old["n"]:
+                    continue
+            if t in cells and p in b["policies"]:
+                cells[t][p] = old
+                merged.append(f"{t}/{p}")
+    return {**result, "cells": cells, "merged_from_earlier": merged}
+
+
 def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, out_json: str | None = None,
-              run: bool = True, log=print) -> dict:
+              run: bool = True, earlier: dict | None = None, log=print) -> dict:
     """Run (or, with run=False, only report) every cell, round by round; the report is rewritten to
     out_json after each policy of each round. pieces: (apply_fn, params, model_config, tokenizer).
-    The report holds, per policy, the number of requests the model itself answered in this call."""
+    The report holds, per policy, the number of requests the model itself answered in this call; with an
+    `earlier` report, each cell holds the longer of its samples and the earlier one's (merge_reports)."""
     import lm_eval
 
     from rsqr_jax.eval.lm_eval_model import RsqrLM
@@ -240,17 +277,20 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
     seconds = {p: 0.0 for p in spec.policies}
 
     def save(result):
+        if earlier is not None:
+            result = merge_reports(earlier, result)
         if out_json:
             os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
             tmp = out_json + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(result, f, indent=1)
             os.replace(tmp, out_json)
+        return result
 
-    result = report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds})
-    save(result)
+    result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds}))
     if not run:
         return result
+    answering = [task for t, task in tasks.items() if spec.answer is None or t in spec.answer]
     lms = {}
     for limit in spec.limits:
         for p in spec.policies:
@@ -265,13 +305,12 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
                 lm.engine.generate = counted
                 lms[p] = lm
             t0 = time.perf_counter()
-            lm_eval.simple_evaluate(model=lms[p], tasks=list(tasks.values()), limit=limit,
+            lm_eval.simple_evaluate(model=lms[p], tasks=answering, limit=limit,
                                     use_cache=spec.cache_path(cache_dir, p), task_manager=manager, random_seed=spec.seed,
                                     numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
                                     fewshot_random_seed=spec.seed)
             seconds[p] += time.perf_counter() - t0
-            result = report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds})
-            save(result)
+            result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds}))
             log(f"round {limit}: {p} done ({answered[p]} answered by the model, {seconds[p]:.0f} s so far)")
     return result
 
