@@ -52,6 +52,10 @@ def test_quick_table_scores_every_cell(quick):
             assert targets is None or c["targets"] == targets  # every policy saw the same samples
             targets = c["targets"]
     assert png.stat().st_size > 1000
+    # How far back each needle sits: inside the prompt, and the needle is where the distance says.
+    assert set(result["needle_distance"]) == {t for t in DEFAULT_TASKS if t.startswith("niah")}
+    for t, back in result["needle_distance"].items():
+        assert len(back) == N and all(0 < d < n for d, n in zip(back, result["cells"][t]["full"]["lengths"])), back
     import nltk
 
     with pytest.raises(LookupError):  # the tasks ran without nltk's punkt_tab (none here, none downloaded)
@@ -134,7 +138,9 @@ def test_answer_generates_every_task_but_runs_only_the_chosen(quick, monkeypatch
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: asked.append([t.config.task for t in kw["tasks"]]))
     out = ruler.run_ruler(spec, (None,) * 4, str(root / "cache" / "tokenizer"), str(root / "cache"), log=lambda s: None)
     assert asked == [["ruler_vt", "ruler_fwe"]] * len(POLICIES)  # in --tasks order, once per policy
-    assert out["cells"] == result["cells"]  # every task reported from the cache: the same samples and answers
+    for t in DEFAULT_TASKS:  # every task reported from the cache (all answered), on the same samples
+        for p in POLICIES:
+            assert out["cells"][t][p]["n"] == N and out["cells"][t][p]["targets"] == result["cells"][t][p]["targets"]
 
 
 def test_merge_keeps_the_longer_cell_and_refuses_other_samples(quick):

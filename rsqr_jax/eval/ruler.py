@@ -215,8 +215,23 @@ def summarize(rows: list[dict]) -> dict:
             "targets": [r["target"] for r in rows], "lengths": [r["length"] for r in rows]}
 
 
-def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = None, extra: dict | None = None) -> dict:
-    """Every cell's cached answers (up to `limit`, default the last round) as one JSON-able dict."""
+def needle_distances(task, limit: int, tokenizer) -> list[int]:
+    """Per sample of a needle task (its first `limit`): how many prompt tokens the needle (the first place its
+    first expected string appears) lies before the prompt's end, which decides whether a bounded cache or a
+    cold store of a given size still holds it when the question comes."""
+    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    out = []
+    for inst in sorted(task.instances, key=lambda i: i.doc_id):
+        prompt, needle = inst.args[0], inst.doc["outputs"][0]
+        at = prompt.find(needle)
+        out.append(len(tokenizer.encode(prompt[at:], add_special_tokens=False)) if at >= 0 else -1)
+    return out
+
+
+def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = None, extra: dict | None = None,
+           tokenizer=None) -> dict:
+    """Every cell's cached answers (up to `limit`, default the last round) as one JSON-able dict; with the
+    tokenizer, also each needle task's needle distances (`needle_distance`: {task: [tokens per sample]})."""
     limit = spec.limits[-1] if limit is None else limit
     cells = {}
     for t, task in tasks.items():
@@ -224,8 +239,10 @@ def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = Non
         for p in spec.policies:
             rows = cached_scores(task, limit, spec.cache_path(cache_dir, p), spec.seq_len)
             cells[t][p] = summarize(rows)
+    needles = {} if tokenizer is None else \
+        {t: needle_distances(task, limit, tokenizer) for t, task in tasks.items() if t.startswith("niah")}
     return {"config": {**dataclasses.asdict(spec), "describe": {p: spec.describe(p) for p in spec.policies}},
-            "cells": cells, **(extra or {})}
+            "cells": cells, **({"needle_distance": needles} if needles else {}), **(extra or {})}
 
 
 # What must agree for two reports' cells to be the same cells (the samples then agree too: checked).
@@ -287,7 +304,8 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
             os.replace(tmp, out_json)
         return result
 
-    result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds}))
+    result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds},
+                         tokenizer=pieces[3]))
     if not run:
         return result
     answering = [task for t, task in tasks.items() if spec.answer is None or t in spec.answer]
@@ -310,7 +328,8 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
                                     numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
                                     fewshot_random_seed=spec.seed)
             seconds[p] += time.perf_counter() - t0
-            result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds}))
+            result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds},
+                                 tokenizer=pieces[3]))
             log(f"round {limit}: {p} done ({answered[p]} answered by the model, {seconds[p]:.0f} s so far)")
     return result
 
