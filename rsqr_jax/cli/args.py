@@ -112,8 +112,8 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
     g.add_argument("--reselect", type=int, default=None,
                    help="choose pages afresh every k decode steps (default 1: every step; 4 costs less and recalls "
-                   "fewer facts; prompts and the step after one always choose); in between each layer attends the pages it "
-                   "chose last, so the scoring costs 1/k")
+                   "fewer facts; prompts and the step after one always choose); in between each layer attends the "
+                   "pages it chose last, so the scoring costs 1/k")
     g.add_argument("--placement", default=None,
                    help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
                    "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "

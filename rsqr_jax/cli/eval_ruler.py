@@ -105,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with open(args.merge) as f:
                 earlier = json.load(f)
-            earlier["config"], earlier["cells"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:
             raise UsageError(f"--merge {args.merge}: not a readable RULER report ({type(e).__name__})") from None
+        if not isinstance(earlier, dict) or not {"config", "cells"} <= earlier.keys():
+            raise UsageError(f"--merge {args.merge}: not a readable RULER report (no config and cells)")
     if args.report_only:  # the tokenizer only: no model call
         from rsqr_jax.models.loading import load_tokenizer
 

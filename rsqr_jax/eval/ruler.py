@@ -229,9 +229,9 @@ def needle_distances(task, limit: int, tokenizer) -> list[int]:
 
 
 def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = None, extra: dict | None = None,
-           tokenizer=None) -> dict:
-    """Every cell's cached answers (up to `limit`, default the last round) as one JSON-able dict; with the
-    tokenizer, also each needle task's needle distances (`needle_distance`: {task: [tokens per sample]})."""
+           needles: dict | None = None) -> dict:
+    """Every cell's cached answers (up to `limit`, default the last round) as one JSON-able dict, with the needle
+    tasks' needle distances when given (`needle_distance`: {task: [tokens per sample]})."""
     limit = spec.limits[-1] if limit is None else limit
     cells = {}
     for t, task in tasks.items():
@@ -239,8 +239,6 @@ def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = Non
         for p in spec.policies:
             rows = cached_scores(task, limit, spec.cache_path(cache_dir, p), spec.seq_len)
             cells[t][p] = summarize(rows)
-    needles = {} if tokenizer is None else \
-        {t: needle_distances(task, limit, tokenizer) for t, task in tasks.items() if t.startswith("niah")}
     return {"config": {**dataclasses.asdict(spec), "describe": {p: spec.describe(p) for p in spec.policies}},
             "cells": cells, **({"needle_distance": needles} if needles else {}), **(extra or {})}
 
@@ -304,8 +302,11 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
             os.replace(tmp, out_json)
         return result
 
+    tokenizer = pieces[3]  # the samples' needle distances do not change between rounds: measured once
+    needles = {} if tokenizer is None else \
+        {t: needle_distances(task, spec.limits[-1], tokenizer) for t, task in tasks.items() if t.startswith("niah")}
     result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds},
-                         tokenizer=pieces[3]))
+                         needles=needles))
     if not run:
         return result
     answering = [task for t, task in tasks.items() if spec.answer is None or t in spec.answer]
@@ -329,7 +330,7 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
                                     fewshot_random_seed=spec.seed)
             seconds[p] += time.perf_counter() - t0
             result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds},
-                                 tokenizer=pieces[3]))
+                                 needles=needles))
             log(f"round {limit}: {p} done ({answered[p]} answered by the model, {seconds[p]:.0f} s so far)")
     return result
 
