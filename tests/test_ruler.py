@@ -164,3 +164,58 @@ def test_merge_keeps_the_longer_cell_and_refuses_other_samples(quick):
         merge_reports(other, result)
     with pytest.raises(ConfigError, match=r"other settings \(seq_len\)"):
         merge_reports({**earlier, "config": {**earlier["config"], "seq_len": 4096}}, result)
+
+
+def test_start_answers_only_later_samples_and_follows_the_earlier_report(quick, tmp_path):
+    """--start N --merge REPORT: the model answers samples N.. only (one request per cell and round here), and
+    each merged cell is what a run from sample 0 over the same answers reports; an earlier report that lacks
+    the first N samples, or holds other ones, is refused."""
+    import copy
+    import shutil
+
+    from rsqr_jax.eval.ruler import merge_reports
+    from rsqr_jax.eval.runtime import ConfigError
+
+    root, args, _, result, _ = quick
+    cache = tmp_path / "cache"
+    shutil.copytree(root / "cache", cache)  # the fixture's answers to samples 0..N-1, not shared with other tests
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(result))
+    pols, answer = "rsqr,rsqr+recall", "niah_single_1"
+    common = [*args, "--cache-dir", str(cache), "--policies", pols, "--limits", str(N + 1)]
+    out = tmp_path / "grown.json"
+    proc = run_in_process("eval_ruler.py", *common, "--answer", answer, "--start", str(N), "--merge", str(earlier),
+                          "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown = json.loads(out.read_text())
+    assert grown["model_requests"] == {"rsqr": 1, "rsqr+recall": 1}  # sample N only, not 0..N-1 again
+    again = run_in_process("eval_ruler.py", *common, "--report-only", "--out", str(tmp_path / "from0.json"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    from0 = json.loads((tmp_path / "from0.json").read_text())
+    for p in ("rsqr", "rsqr+recall"):
+        cell = grown["cells"][answer][p]
+        assert cell["n"] == N + 1 and "first" not in cell
+        assert cell == from0["cells"][answer][p]
+        assert cell["scores"][:N] == result["cells"][answer][p]["scores"]
+        for t in DEFAULT_TASKS:
+            if t != answer:  # not answered: the earlier report's cells
+                assert grown["cells"][t][p] == result["cells"][t][p]
+    assert_one_line_errors([("eval_ruler.py", [*common, "--start", "1"], "--start 1 needs --merge REPORT"),
+                            ("eval_ruler.py", [*common, "--start", str(N + 1), "--merge", str(earlier)],
+                             f"start must be in [0, the first limit {N + 1})")])
+    # The cells as the run reported them before the merge: from sample N, with the samples before it.
+    from rsqr_jax.cli.eval_ruler import build_parser, spec_from
+    from rsqr_jax.eval import ruler
+
+    spec = spec_from(build_parser().parse_args([*common, "--start", str(N)]))
+    tasks = ruler.load_tasks(spec, str(cache / "tokenizer"))
+    alone = ruler.report(spec, tasks, str(cache))
+    assert alone["cells"][answer]["rsqr"]["first"] == N and alone["cells"][answer]["rsqr"]["n"] == 1
+    short = copy.deepcopy(result)
+    short["cells"][answer]["rsqr"].update(n=1, scores=[0.0], targets=short["cells"][answer]["rsqr"]["targets"][:1])
+    with pytest.raises(ConfigError, match=f"{answer} / rsqr: the earlier report holds 1 samples; samples from {N} on"):
+        merge_reports(short, alone)
+    other = copy.deepcopy(result)
+    other["cells"][answer]["rsqr"]["targets"][0] = ["not", "these"]
+    with pytest.raises(ConfigError, match=f"{answer} / rsqr: the earlier report's samples are not these"):
+        merge_reports(other, alone)

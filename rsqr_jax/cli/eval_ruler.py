@@ -7,7 +7,8 @@
 
 Every answer is cached per policy under --cache-dir as soon as it exists: the same command resumes a killed run,
 and a finished one re-reports without a model call. Samples grow in rounds (--limits 10,20,30: every cell gets
-its first 10 before any gets more). Prints one table (task x policy: score, Wilson 95% interval, n) and writes
+its first 10 before any gets more); --start N with --merge REPORT answers samples from N on and reports them after
+the earlier report's first N. Prints one table (task x policy: score, Wilson 95% interval, n) and writes
 the JSON (--out) and a plot (--plot). docs/ruler.md.
 """
 
@@ -29,9 +30,13 @@ def build_parser() -> Parser:
     p.add_argument("--merge", default=None, metavar="REPORT",
                    help="an earlier report JSON of the same settings: each cell keeps the longer of its samples and "
                    "the earlier report's (their shared samples must match)")
+    p.add_argument("--start", type=int, default=0, metavar="N",
+                   help="answer samples from N on; the first N come from --merge's report (which must hold them): "
+                   "a table grows after its answer cache is gone")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated: " + ", ".join(POLICIES))
     p.add_argument("--seq-len", type=int, default=4096, help="RULER's max_seq_length: prompt + answer tokens")
-    p.add_argument("--limits", default="10,20,30", help="samples per task after each round (increasing)")
+    p.add_argument("--limits", default=None, help="samples per task after each round (increasing; default "
+                   "10,20,30, or 2 with --quick)")
     p.add_argument("--window", type=int, default=512, help="window W of the bounded policies")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recall-pages", type=int, default=8, help="pages recalled per step (rsqr+recall)")
@@ -47,7 +52,7 @@ def build_parser() -> Parser:
     p.add_argument("--plot", default=None, help="write a PNG of the table here")
     p.add_argument("--report-only", action="store_true", help="report the cached answers; no model call")
     p.add_argument("--quick", action="store_true", help="smoke: a tiny random model (the real tokenizer), 1024 "
-                                                       "tokens, 2 samples, W=64, 8 answer tokens")
+                                                       "tokens, 2 samples (or --limits), W=64, 8 answer tokens")
     return p
 
 
@@ -63,13 +68,13 @@ def spec_from(args):
 
     kw = dict(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
               policies=tuple(t.strip() for t in args.policies.split(",") if t.strip()),
-              seq_len=args.seq_len, limits=_ints(args.limits, "--limits"), window=args.window, sinks=args.sinks,
+              seq_len=args.seq_len, limits=_ints(args.limits or "10,20,30", "--limits"), window=args.window, sinks=args.sinks,
               recall_pages=args.recall_pages, page_size=args.page_size, cold_capacity=args.cold_capacity,
               chunk=args.chunk, max_gen_toks=args.max_gen_toks, seed=args.seed,
-              model=os.path.abspath(args.model) if args.model else "embedded",
+              model=os.path.abspath(args.model) if args.model else "embedded", start=args.start,
               answer=None if args.answer is None else tuple(t.strip() for t in args.answer.split(",") if t.strip()))
     if args.quick:  # the smoke's sizes
-        kw.update(seq_len=1024, limits=(2,), window=64, recall_pages=2, cold_capacity=512, max_gen_toks=8,
+        kw.update(seq_len=1024, limits=_ints(args.limits or "2", "--limits"), window=64, recall_pages=2, cold_capacity=512, max_gen_toks=8,
                   model="tiny-random")
     return RulerSpec(**kw)
 
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     from rsqr_jax.eval.ruler import export_tokenizer, format_table, plot, run_ruler
 
     spec = spec_from(args)  # ConfigError (one line, exit 2) on a bad task, policy or size
+    if spec.start and args.merge is None:
+        raise UsageError(f"--start {spec.start} needs --merge REPORT: the report that holds samples 0..{spec.start - 1}")
     earlier = None
     if args.merge is not None:
         import json

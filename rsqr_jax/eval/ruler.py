@@ -65,6 +65,9 @@ class RulerSpec:
     # The tasks the model answers (None: every one). All of `tasks` are still generated, in order, under the
     # seed (a task's samples depend on the tasks generated before it) and reported from the caches.
     answer: tuple[str, ...] | None = None
+    # The first sample the model answers: samples before it come from an earlier report (merge_reports), so a
+    # table grows after its answer cache is gone. Each round answers samples start..limit-1.
+    start: int = 0
 
     def __post_init__(self):
         if not self.tasks:
@@ -92,6 +95,8 @@ class RulerSpec:
                               f"got {self.seq_len}")
         if not self.limits or any(n < 1 for n in self.limits) or list(self.limits) != sorted(set(self.limits)):
             raise ConfigError(f"limits must be increasing positive sample counts, got {list(self.limits)}")
+        if not 0 <= self.start < self.limits[0]:
+            raise ConfigError(f"start must be in [0, the first limit {self.limits[0]}), got {self.start}")
         if self.window < 8 or self.window >= self.seq_len:
             raise ConfigError(f"window must be in [8, seq_len), got {self.window}")
         if self.max_gen_toks is not None and self.max_gen_toks < 1:
@@ -184,15 +189,15 @@ def _open_cache(path: str):
     return SqliteDict(path + "_rank0.db", flag="r") if os.path.exists(path + "_rank0.db") else None
 
 
-def cached_scores(task, limit: int, cache_path: str, seq_len: int) -> list[dict]:
-    """The first samples of `task` (up to `limit`, stopping at the first one not answered yet) scored by
-    the task's own process_results from the answers in the cache: [{doc_id, score, answer, target}]."""
+def cached_scores(task, limit: int, cache_path: str, seq_len: int, start: int = 0) -> list[dict]:
+    """The samples of `task` from `start` (up to `limit`, stopping at the first one not answered yet) scored
+    by the task's own process_results from the answers in the cache: [{doc_id, score, answer, target}]."""
     from lm_eval.api.model import hash_args
 
     task.build_all_requests(limit=limit, rank=0, world_size=1)
     db, rows = _open_cache(cache_path), []
     try:
-        for inst in sorted(task.instances, key=lambda i: i.doc_id):
+        for inst in sorted(task.instances, key=lambda i: i.doc_id)[start:]:
             key = hash_args("generate_until", inst.args)
             if db is None or key not in db:
                 break
@@ -208,11 +213,20 @@ def cached_scores(task, limit: int, cache_path: str, seq_len: int) -> list[dict]
 
 def summarize(rows: list[dict]) -> dict:
     """n, mean score and its Wilson 95% interval (on the summed score) of one cell's samples."""
-    s = [r["score"] for r in rows]
-    n, k = len(s), float(sum(s))
+    return _cell([r["score"] for r in rows], [r["target"] for r in rows], [r["length"] for r in rows])
+
+
+def _cell(scores: list[float], targets: list, lengths: list[int]) -> dict:
+    n, k = len(scores), float(sum(scores))
     lo, hi = wilson(k, n)
-    return {"n": n, "score": k / n if n else None, "ci": [lo, hi], "scores": s,
-            "targets": [r["target"] for r in rows], "lengths": [r["length"] for r in rows]}
+    return {"n": n, "score": k / n if n else None, "ci": [lo, hi], "scores": scores, "targets": targets,
+            "lengths": lengths}
+
+
+def _targets(task, limit: int) -> list[list[str]]:
+    """The expected strings of the first `limit` samples (generated, not answered)."""
+    task.build_all_requests(limit=limit, rank=0, world_size=1)
+    return [list(i.doc["outputs"]) for i in sorted(task.instances, key=lambda i: i.doc_id)]
 
 
 def needle_distances(task, limit: int, tokenizer) -> list[int]:
@@ -231,14 +245,19 @@ def needle_distances(task, limit: int, tokenizer) -> list[int]:
 def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = None, extra: dict | None = None,
            needles: dict | None = None) -> dict:
     """Every cell's cached answers (up to `limit`, default the last round) as one JSON-able dict, with the needle
-    tasks' needle distances when given (`needle_distance`: {task: [tokens per sample]})."""
+    tasks' needle distances when given (`needle_distance`: {task: [tokens per sample]}). With spec.start > 0
+    a cell holds samples from `first` = start on, and `skipped_targets` (the samples before it) for the check
+    that an earlier report's cells are these samples (merge_reports)."""
     limit = spec.limits[-1] if limit is None else limit
     cells = {}
     for t, task in tasks.items():
         cells[t] = {}
+        skipped = _targets(task, spec.start) if spec.start else None
         for p in spec.policies:
-            rows = cached_scores(task, limit, spec.cache_path(cache_dir, p), spec.seq_len)
+            rows = cached_scores(task, limit, spec.cache_path(cache_dir, p), spec.seq_len, spec.start)
             cells[t][p] = summarize(rows)
+            if skipped is not None:
+                cells[t][p].update(first=spec.start, skipped_targets=skipped)
     return {"config": {**dataclasses.asdict(spec), "describe": {p: spec.describe(p) for p in spec.policies}},
             "cells": cells, **({"needle_distance": needles} if needles else {}), **(extra or {})}
 
@@ -250,7 +269,8 @@ _SAME_CELLS = ("seq_len", "window", "sinks", "recall_pages", "page_size", "cold_
 
 def merge_reports(earlier: dict, result: dict) -> dict:
     """`result` with, in every cell, the longer of its samples and an earlier report's (say, cells whose caches
-    are gone). The two must share their settings, and the samples they share must have the same targets
+    are gone); a cell of `result` that starts at sample `first` > 0 follows the earlier cell's first `first`
+    samples. The two must share their settings, and the samples they share must have the same targets
     (the same generated samples): otherwise a ConfigError."""
     a, b = earlier["config"], result["config"]
     differ = [k for k in _SAME_CELLS if a.get(k) != b.get(k)]
@@ -261,6 +281,10 @@ def merge_reports(earlier: dict, result: dict) -> dict:
     for t, row in earlier["cells"].items():
         for p, old in row.items():
             new = cells.get(t, {}).get(p)
+            if new is not None and new.get("first"):
+                cells[t][p] = _follow(old, new, f"{t} / {p}")
+                merged.append(f"{t}/{p}")
+                continue
             if new is not None:
                 n = min(old["n"], new["n"])
                 if old["targets"][:n] != new["targets"][:n]:
@@ -271,6 +295,24 @@ def merge_reports(earlier: dict, result: dict) -> dict:
                 cells[t][p] = old
                 merged.append(f"{t}/{p}")
     return {**result, "cells": cells, "merged_from_earlier": merged}
+
+
+def _follow(old: dict, new: dict, name: str) -> dict:
+    """The earlier cell's samples before new["first"], then the new cell's (or the earlier cell whole, when it
+    is longer): one cell from sample 0."""
+    first = new["first"]
+    if old.get("first"):
+        raise ConfigError(f"{name}: the earlier report's cell starts at sample {old['first']}, not at 0")
+    if old["n"] < first:
+        raise ConfigError(f"{name}: the earlier report holds {old['n']} samples; samples from {first} on "
+                          f"need the {first} before them")
+    m = min(old["n"] - first, new["n"])
+    if old["targets"][:first] != new["skipped_targets"] or old["targets"][first:first + m] != new["targets"][:m]:
+        raise ConfigError(f"{name}: the earlier report's samples are not these (other targets)")
+    if old["n"] >= first + new["n"]:
+        return old
+    return _cell(old["scores"][:first] + new["scores"], old["targets"][:first] + new["targets"],
+                 old["lengths"][:first] + new["lengths"])
 
 
 def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, out_json: str | None = None,
@@ -324,7 +366,9 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
                 lm.engine.generate = counted
                 lms[p] = lm
             t0 = time.perf_counter()
-            lm_eval.simple_evaluate(model=lms[p], tasks=answering, limit=limit,
+            chosen = {"limit": limit} if not spec.start else \
+                {"samples": {task.config.task: list(range(spec.start, limit)) for task in answering}}
+            lm_eval.simple_evaluate(model=lms[p], tasks=answering, **chosen,
                                     use_cache=spec.cache_path(cache_dir, p), task_manager=manager, random_seed=spec.seed,
                                     numpy_random_seed=spec.seed, torch_random_seed=spec.seed,
                                     fewshot_random_seed=spec.seed)
