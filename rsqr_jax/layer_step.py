@@ -107,7 +107,12 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         return attend(*plain_win, *plain), cache
 
     Pg = cache.cold_pos.shape[0] // cache.cold_sum.shape[3]
-    kept = (cache.cold_choice[layer], cache.cold_choice_on[layer]) if rc.keeps_choice else None
+    # ColdStore.share_from = r: a layer after r attends the pages layer r chose this step (layers run in order,
+    # so layer r has written its choice) and scores nothing; layers up to r choose their own.
+    chooser, now = layer, rc.reselect_now
+    if rc.share_from >= 0:
+        chooser, now = jnp.minimum(layer, rc.share_from), rc.reselect_now & (layer <= rc.share_from)
+    kept = (cache.cold_choice[chooser], cache.cold_choice_on[chooser]) if rc.keeps_choice else None
 
     def with_recall():  # the recall tier (rsqr_jax.recall)
         read_sum, read_lo, read_hi, glob = summaries
@@ -119,7 +124,7 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
 
         # ColdStore.reselect > 1: between scorings the layer attends the pages it chose last (only the choice
         # is kept: their tokens are gathered and checked afresh every step).
-        idx, active = jax.lax.cond(rc.reselect_now, choose, lambda: kept) if kept is not None else choose()
+        idx, active = jax.lax.cond(now, choose, lambda: kept) if kept is not None else choose()
         rec = gather_recalled(idx, active, gather_kv, plan.next.cold_pos, Pg, rc, ka.surv_valid_S)
         if rc.placement == "rank":  # in the raw segment, at their ranks
             out = attend(*plain_win, *extend_raw_segment(*plain, rc, *rec))

@@ -31,7 +31,7 @@ SCORE_BLOCK_PAGES = 64
 
 @functools.partial(jax.tree_util.register_dataclass,
                    meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block", "placement",
-                                "keeps_choice"],
+                                "keeps_choice", "share_from"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel",
                                 "live_pages", "fixed_pos", "reselect_now"])
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,8 @@ class Recall:
     every page, every step); placement (static, spec.PLACEMENTS): where recalled tokens sit; fixed_pos: the
     global position the "fixed" placement rotates every recalled key at (the chunk's first position minus the
     policy's window); keeps_choice (static): layers keep their page choice in the cache between scorings
-    (ColdStore.reselect > 1); reselect_now: this step scores the store and chooses afresh."""
+    (ColdStore.reselect > 1, or share_from); reselect_now: this step scores the store and chooses afresh;
+    share_from (static, ColdStore.share_from; -1 = none): the layer whose choice every later layer attends."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -68,6 +69,7 @@ class Recall:
     fixed_pos: jax.Array | None = None
     keeps_choice: bool = False
     reselect_now: jax.Array | None = None
+    share_from: int = -1
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                 hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:

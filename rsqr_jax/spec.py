@@ -48,7 +48,11 @@ class ColdStore:
     summaries the store keeps), neighbors (pages on each side of a chosen page that come back with it) and
     placement (where recalled tokens sit, PLACEMENTS) and reselect (a layer chooses its pages afresh at every
     reselect-th decode step and at every prefill chunk, and attends the pages it chose last in between: the scoring,
-    recall's per-step cost linear in the store, runs 1/reselect as often). The placement is static, a compilation of its own: "rank"
+    recall's per-step cost linear in the store, runs 1/reselect as often) and share_from (None: every layer
+    chooses its own pages; a policy-layer index r: layers 0..r choose their own and every later layer attends
+    the pages layer r chose in the same step, so the store is scored in r + 1 layers instead of all: the
+    measured reason is that a few middle layers find the fact's page far more often than the rest,
+    docs/recall_tier.md). The placement is static, a compilation of its own: "rank"
     extends the raw segment and the others the window segment, so a dynamic choice would carry both in every
     step. Validated here, once; ValueError on impossible values."""
 
@@ -58,6 +62,7 @@ class ColdStore:
     neighbors: int = 0
     placement: str = DEFAULT_PLACEMENT
     reselect: int = 1
+    share_from: int | None = None
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -71,6 +76,9 @@ class ColdStore:
             raise ValueError(f"recall neighbors must be >= 0, got {self.neighbors}")
         if isinstance(self.reselect, bool) or not isinstance(self.reselect, int) or self.reselect < 1:
             raise ValueError(f"reselect must be an integer >= 1 (1 = choose pages at every step), got {self.reselect!r}")
+        if self.share_from is not None and (isinstance(self.share_from, bool) or
+                                            not isinstance(self.share_from, int) or self.share_from < 0):
+            raise ValueError(f"share_from must be a layer index >= 0 or None, got {self.share_from!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
 
@@ -136,6 +144,9 @@ class CacheSpec:
         if self.max_recall_pages > self.cold_pages:
             raise ValueError(f"max_recall_pages {self.max_recall_pages} exceeds the cold store's "
                              f"{self.cold_pages} pages")
+        if self.cold is not None and self.cold.share_from is not None and self.cold.share_from >= self.num_layers:
+            raise ValueError(f"share_from {self.cold.share_from} is not one of the {self.num_layers} layers that "
+                             f"recall")
         if self.cold is not None and self.cold.neighbors and not self.max_recall_pages:
             raise ValueError("recall neighbors > 0 need recall (max_recall_pages > 0)")
         if bool(self.local_layers) != bool(self.local_window):
@@ -178,8 +189,10 @@ class CacheSpec:
 
     @property
     def reselects(self) -> bool:
-        """Whether layers keep their page choice between scorings (ColdStore.reselect > 1, recall on)."""
-        return self.cold is not None and self.cold.reselect > 1 and self.max_recall_pages > 0
+        """Whether the cache holds each layer's page choice (recall on, and ColdStore.reselect > 1: kept between
+        scorings, or ColdStore.share_from: read by the later layers)."""
+        return (self.cold is not None and self.max_recall_pages > 0
+                and (self.cold.reselect > 1 or self.cold.share_from is not None))
 
     @property
     def recall_args(self) -> dict:
@@ -188,7 +201,7 @@ class CacheSpec:
             return {}
         return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.cold.neighbors,
                 "recall_shortlist": self.shortlist_pages, "page_score": self.cold.page_score,
-                "placement": self.cold.placement, "reselect": self.cold.reselect}
+                "placement": self.cold.placement, "reselect": self.cold.reselect, "share_from": self.cold.share_from}
 
     @property
     def shortlist_pages(self) -> int:

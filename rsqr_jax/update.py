@@ -121,7 +121,8 @@ def _pinned(g_N: jax.Array, cache: KVCache) -> jax.Array:
 
 def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
               max_recall_pages: int = 0, recall_neighbors: int = 0, recall_shortlist: int = 0,
-              page_score: str = "mean", placement: str = "rank", reselect: int = 1) -> StepPlan:
+              page_score: str = "mean", placement: str = "rank", reselect: int = 1,
+              share_from: int | None = None) -> StepPlan:
     """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
 
     Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
@@ -129,7 +130,8 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     max_recall_pages / recall_neighbors / recall_shortlist / page_score (static, CacheSpec.recall_args): how
     many cold pages a layer may choose, the pages on each side of a chosen one that come with it, the
     "shortlist" rule's page count, the rule itself (which page summaries the cold store keeps and scores) and
-    where recalled tokens sit (spec.PLACEMENTS), and how often a layer chooses its pages afresh (ColdStore.reselect).
+    where recalled tokens sit (spec.PLACEMENTS), how often a layer chooses its pages afresh (ColdStore.reselect),
+    and the layer whose choice the later layers attend (ColdStore.share_from).
     """
     C = chunk
     n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)
@@ -224,7 +226,8 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
                     shortlist=recall_shortlist if Nc else 0, page_score=page_score, live_pages=live_pages,
                     score_block=_recall.SCORE_BLOCK_PAGES, placement=placement,
                     fixed_pos=g_C[0] - policy.window,
-                    keeps_choice=reselect > 1 and bool(max_recall_pages and Nc),  # the setting (CacheSpec.reselects)
+                    keeps_choice=(reselect > 1 or share_from is not None) and bool(max_recall_pages and Nc),
+                    share_from=-1 if share_from is None else share_from,  # CacheSpec.reselects: the choice is kept
                     # choose afresh every reselect-th step and at every chunk of more than one token (a prompt: the
                     # question's own rows choose the pages its first answer token reads)
                     reselect_now=(jnp.sum(cache.cold_step) % reselect == 0) | (n_valid > 1))

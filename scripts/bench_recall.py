@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 
-from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, add_model_args, check_model_args, load_model_from_args, run_main
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model_args, check_share_layer,
+                               load_model_from_args, run_main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the default rule)")
     p.add_argument("--reselect", default="1", help="pages chosen afresh every k decode steps, a list to compare, "
                    "e.g. 1,4,8 (ColdStore.reselect; 1 = every step)")
+    p.add_argument("--share-choice-from", default="none", metavar="LAYERS",
+                   help="a list to compare, e.g. none,18: layers after LAYER attend the pages LAYER chose "
+                   "(ColdStore.share_from; none = every layer chooses)")
     p.add_argument("--prompt-tokens", default="512", help="prompt lengths, one arm each, e.g. 32,2048 (a prompt "
                    "that stays inside the window with every generated token leaves the store empty)")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -50,13 +54,19 @@ def main(argv: list[str] | None = None) -> int:
         reselects = tuple(int(x) for x in args.reselect.split(","))
     except ValueError:
         p.error(f"--reselect must be comma-separated integers, got {args.reselect!r}")
+    try:
+        shares = tuple(None if x.strip() == "none" else int(x) for x in args.share_choice_from.split(","))
+    except ValueError:
+        p.error(f"--share-choice-from must be comma-separated layers or none, got {args.share_choice_from!r}")
     if args.quick:
         sizes, args.new_tokens, args.rounds = (0, 256), 8, 1
     rules = {"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}
     cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size, **rules,
                               prompt_tokens=prompts, new_tokens=args.new_tokens, rounds=args.rounds,
-                              reselects=reselects, fill=args.fill)
+                              reselects=reselects, share_froms=shares, fill=args.fill)
     loaded, apply_fn, params = load_model_from_args(args)
+    for share in shares:
+        check_share_layer(args, loaded.config, share)
     result = B.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:
         B.write(result, args.out)

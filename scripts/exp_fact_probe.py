@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model_args, cold_store_flags, load_model_from_args,
-                     run_main)
+from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model_args, cold_store_flags, layer_or_none,
+                               load_model_from_args, run_main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recall-neighbors", type=int, default=0, help="pages on each side recalled with a chosen page")
     p.add_argument("--placement", default=None, help="where recalled tokens sit: rank (the default), true or fixed")
     p.add_argument("--reselect", type=int, default=None, help="choose pages afresh every k decode steps (default 1)")
+    p.add_argument("--share-choice-from", type=layer_or_none, default=None, metavar="LAYER",
+                   help="layers after LAYER attend the pages LAYER chose (default, or none: every layer chooses)")
     p.add_argument("--lead-max", type=int, default=0,
                    help="0..N random filler tokens before the fact (mid-stream, any page alignment)")
     p.add_argument("--seed", type=int, default=7)

@@ -193,3 +193,35 @@ def test_policy_flags_take_the_library_defaults_and_a_subset_builds_the_same_pol
     assert policy_from_args(args).host() == P.rsqr(n_sink=2).host()
     with pytest.raises(TypeError, match="no policy flag 'cap'"):
         add_policy_args(Parser(), cap=3)
+
+
+def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_off(tmp_path):
+    """decode.py on the embedded model: layers after 14 attend layer 14's choice, chosen every 4th step; on another
+    model every layer chooses at every step; `--share-choice-from none` and a resumed session that did not share
+    keep every layer choosing."""
+    from rsqr_jax.cli.args import cold_store_flags, resolve_recall_default
+    from rsqr_jax.cli.chat import SHARE_NONE, saved_settings
+    from rsqr_jax.cli.decode import build_parser
+    from rsqr_jax.spec import CacheSpec, ColdStore
+
+    def cold(argv):
+        args = build_parser().parse_args(argv)
+        resolve_recall_default(args)
+        return cold_store_flags(args)
+
+    model = tmp_path / "other.gguf"
+    model.write_bytes(b"")
+    assert cold([]) == ColdStore(reselect=4, share_from=14)
+    assert cold(["--model", str(model)]) == ColdStore()
+    assert cold(["--share-choice-from", "none"]) == ColdStore(reselect=4)
+    assert cold(["--share-choice-from", "20", "--reselect", "1"]) == ColdStore(share_from=20)
+    for saved, want in ((None, SHARE_NONE), (14, 14)):  # a session saved unshared, and one shared from 14
+        spec = CacheSpec(30, 1, 3, 64, 8, 4, cold=ColdStore(share_from=saved), max_recall_pages=4)
+        header = {"policy": {"mode": 7, "overflow": 0, **dict.fromkeys(
+                      ("window", "n_sink", "delta", "max_survivors", "block", "recall_pages"), 0)},
+                  "spec": spec.to_json(), "prefill_chunk": 8, "seed": 0, "identity": {}, "extra": {},
+                  "sampling": {"temperature": 0.0}}
+        args = build_parser().parse_args([])
+        vars(args).update(saved_settings(header))
+        resolve_recall_default(args)  # the defaults do not override what the session fixed
+        assert args.share_choice_from == want and cold_store_flags(args).share_from == saved

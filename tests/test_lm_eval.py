@@ -134,6 +134,25 @@ def test_bad_input_one_line_errors():
         RsqrLM.from_model_args("policy=rsqr,batch_size=many")
 
 
+def test_recall_model_arguments_reach_the_cold_store():
+    """Every recall setting of the command line is a model argument that reaches the engine's ColdStore (none is
+    accepted and ignored); a layer the model does not have is a one-line error."""
+    from rsqr_jax.eval.lm_eval_model import RsqrLM
+    from rsqr_jax.eval.runtime import ConfigError
+    from rsqr_jax.spec import ColdStore
+    from rsqr_jax.testing.tiny import tiny_config, tiny_model
+    from rsqr_jax.testing.tokenizer import WordTokenizer
+
+    cfg = tiny_config()
+    pieces = (*tiny_model(cfg, 0), cfg, WordTokenizer(cfg.vocab_size))
+    args = "policy=rsqr,window=8,sinks=2,recall_pages=2,cold_capacity=32,page_size=4,page_score=mean,"
+    lm = RsqrLM.from_model_args(args + "placement=true,reselect=3,share_from=0", pieces=pieces)
+    assert lm.engine.spec.cold == ColdStore(32, 4, "mean", placement="true", reselect=3, share_from=0)
+    assert RsqrLM.from_model_args(args, pieces=pieces).engine.spec.cold == ColdStore(32, 4, "mean")
+    with pytest.raises(ConfigError, match="share_from 2 is not one of the 2 layers that recall"):
+        RsqrLM.from_model_args(args + "share_from=2", pieces=pieces)
+
+
 def test_sequential_engine_scores_equal_stream_nll_on_a_tiny_model():
     """SequentialEngine.score (advance chunks, then feed chunks, the last one padded) == -sum of stream_nll at
     the continuation's positions, for rsqr whose 8-token window the 40-token requests overflow (full is

@@ -144,3 +144,65 @@ def test_a_saved_session_keeps_its_page_choice(tmp_path):
     for name in ("cold_choice", "cold_choice_on", "cold_step", "win_k", "cold_k"):
         np.testing.assert_array_equal(np.asarray(getattr(s.cache, name)), np.asarray(getattr(ref.cache, name)),
                                       err_msg=f"{name}, seed {seed}")
+
+
+# --- ColdStore.share_from: the layers after one layer attend the pages it chose ---
+
+CFG3 = tiny_config(layers=3)
+DIMS3 = dict(num_layers=CFG3.num_layers, num_kv_heads=CFG3.num_kv_heads, head_dim=CFG3.head_dim)
+
+
+def _shared_stream(pol, share, tokens, *, rule="max", cold=16, page=4, chunk=1, seed=2):
+    """Logits [T, V] (float64) and, after every step, the page choice and its mask [L, B, M] of each layer."""
+    apply_fn, params = tiny_model(CFG3, seed)
+    spec = rj.CacheSpec.for_policies([pol], max_chunk=chunk, cold=rj.ColdStore(cold, page, rule, share_from=share),
+                                     **DIMS3)
+    dec = rj.Decoder(apply_fn, spec)
+    cache, logits, choices = dec.init_cache(), [], []
+    for t in range(0, len(tokens), chunk):
+        out, cache = dec.feed(params, tokens[None, t:t + chunk], cache, pol)
+        logits.append(np.asarray(out[0], np.float64))
+        choices.append((np.asarray(cache.cold_choice), np.asarray(cache.cold_choice_on)))
+    return np.concatenate(logits), choices, spec
+
+
+def test_shared_choice_equals_the_float64_oracle_of_its_definition():
+    """share_from = 1 of 3 layers: layers 0 and 1 choose as they would unshared (their inputs do not depend on
+    later layers, so their choices are the unshared run's, bit for bit), layer 2 holds layer 1's choice at every
+    step, and the logits are the float64 oracle's with each layer attending the recallable tokens of the pages it
+    holds (the pages its own scores did not pick, for layer 2)."""
+    T, W, N, d, S, Pg = 56, 8, 2, 3, 3, 4
+    seed = drawn_seed("shared choice")
+    tokens = np.random.default_rng(seed).integers(0, CFG3.vocab_size, size=T)
+    pol = P.rsqr(W, N, d, S, recall_pages=1)
+    got, choices, spec = _shared_stream(pol, 1, tokens)
+    _, own, _ = _shared_stream(pol, CFG3.num_layers - 1, tokens)  # every layer chooses (and keeps its choice)
+    for (c, on), (c_own, on_own) in zip(choices, own):
+        np.testing.assert_array_equal(c[:2], c_own[:2], err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(on[:2], on_own[:2], err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(c[2], c[1], err_msg=f"seed {seed}")
+    assert any(not np.array_equal(c_own[2], c_own[1]) for c_own, _ in own), f"seed {seed}: layer 2 chose alike"
+    sets = reference_token_sets(T, window=W, n_sink=N, delta=d, max_survivors=S, block=1)
+    cold = reference_cold_sets(T, window=W, n_sink=N, block=1, page_size=Pg, cold_slots=spec.cold_slots)
+    page_of = lambda g: ((g - N) % spec.cold_slots) // Pg  # noqa: E731
+    token_sets = []
+    for (_, base), (_, recallable), (c, on) in zip(sets, cold, choices):
+        pages = [{int(p) for p, a in zip(c[layer, 0], on[layer, 0]) if a} for layer in range(CFG3.num_layers)]
+        token_sets.append([sorted(set(base) | {g for g in recallable if page_of(g) in pages[layer]})
+                           for layer in range(CFG3.num_layers)])
+    want = stream_logits_f64(tiny_weights(CFG3, 2), CFG3, tokens, token_sets, "rank")
+    assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) < 2e-5, f"seed {seed}"
+
+
+def test_sharing_from_the_last_layer_is_the_plain_tier_and_a_bad_layer_is_refused():
+    tokens = np.random.default_rng(drawn_seed("share last")).integers(0, CFG3.vocab_size, size=48)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    plain, _, _ = _shared_stream(pol, None, tokens, chunk=4)
+    last, _, _ = _shared_stream(pol, CFG3.num_layers - 1, tokens, chunk=4)
+    np.testing.assert_array_equal(last, plain)
+    first, _, _ = _shared_stream(pol, 0, tokens, chunk=4)
+    assert np.abs(first - plain).max() > 1e-3  # sharing layer 0's choice changes what layers 1 and 2 attend
+    with pytest.raises(ValueError, match="share_from 3 is not one of the 3 layers that recall"):
+        rj.CacheSpec.for_policies([pol], cold=rj.ColdStore(16, 4, share_from=3), **DIMS3)
+    with pytest.raises(ValueError, match="share_from must be a layer index >= 0 or None"):
+        rj.ColdStore(16, 4, share_from=-1)

@@ -176,12 +176,15 @@ def test_start_answers_only_later_samples_and_follows_the_earlier_report(quick, 
     from rsqr_jax.eval.ruler import merge_reports
     from rsqr_jax.eval.runtime import ConfigError
 
-    root, args, _, result, _ = quick
+    root, args, _, _, _ = quick
     cache = tmp_path / "cache"
     shutil.copytree(root / "cache", cache)  # the fixture's answers to samples 0..N-1, not shared with other tests
-    earlier = tmp_path / "earlier.json"
-    earlier.write_text(json.dumps(result))
     pols, answer = "rsqr,rsqr+recall", "niah_single_1"
+    earlier = tmp_path / "earlier.json"  # the report of those answers (another test may have changed some)
+    proc = run_in_process("eval_ruler.py", *args, "--cache-dir", str(cache), "--policies", pols, "--report-only",
+                          "--out", str(earlier))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(earlier.read_text())
     common = [*args, "--cache-dir", str(cache), "--policies", pols, "--limits", str(N + 1)]
     out = tmp_path / "grown.json"
     proc = run_in_process("eval_ruler.py", *common, "--answer", answer, "--start", str(N), "--merge", str(earlier),

@@ -114,6 +114,10 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
                    help="choose pages afresh every k decode steps (default 1: every step; 4 costs less and recalls "
                    "fewer facts; prompts and the step after one always choose); in between each layer attends the "
                    "pages it chose last, so the scoring costs 1/k")
+    g.add_argument("--share-choice-from", type=layer_or_none, default=None, metavar="LAYER",
+                   help="layers after LAYER attend the pages LAYER chose instead of scoring the store themselves "
+                   "(the store is scored in LAYER + 1 layers, not all); none: every layer chooses (the default, "
+                   "except decode.py on the embedded model: 14)")
     g.add_argument("--placement", default=None,
                    help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
                    "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
@@ -132,15 +136,34 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "auto: blocks on a CPU, dense elsewhere")
 
 
+def layer_or_none(text: str) -> int:
+    """--share-choice-from: a layer index, or none (chat.SHARE_NONE: every layer chooses)."""
+    from rsqr_jax.cli.chat import SHARE_NONE
+
+    if text.strip().lower() == "none":
+        return SHARE_NONE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a layer index or none, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a layer index >= 0 or none, got {value}")
+    return value
+
+
 def resolve_recall_default(args) -> None:
-    """Set an unset --recall-pages (None) to the chat default for --policy, and an unset --reselect to the
-    chat's (after a resumed session's settings are applied, which fix both)."""
-    from rsqr_jax.cli.chat import DEFAULT_RESELECT, default_recall_pages
+    """Set an unset --recall-pages (None) to the chat default for --policy, and an unset --reselect and
+    --share-choice-from to the chat's for the model (after a resumed session's settings are applied, which fix
+    all three)."""
+    from rsqr_jax.cli.chat import default_recall_pages, recall_choice_defaults
 
     if getattr(args, "recall_pages", 0) is None:
         args.recall_pages = default_recall_pages(args.policy)
+    reselect, share = recall_choice_defaults(embedded=getattr(args, "model", None) is None)
     if getattr(args, "reselect", 0) is None:
-        args.reselect = DEFAULT_RESELECT
+        args.reselect = reselect
+    if getattr(args, "share_choice_from", 0) is None:
+        args.share_choice_from = share
 
 
 def policy_from_args(args, **fields):
@@ -165,6 +188,8 @@ def cold_store_flags(args):
             rule["placement"] = args.placement
         if getattr(args, "reselect", None) is not None:
             rule["reselect"] = args.reselect
+        if getattr(args, "share_choice_from", None) is not None and args.share_choice_from >= 0:
+            rule["share_from"] = args.share_choice_from
         return ColdStore(args.cold_capacity, args.page_size, neighbors=args.recall_neighbors, **rule)
     except ValueError as e:
         raise UsageError(f"recall flags: {e}") from None
@@ -182,6 +207,17 @@ def cold_store_from_args(args):
     if k > cold.pages:
         raise UsageError(f"--recall-pages {k} exceeds the cold store's {cold.pages} pages")
     return cold
+
+
+def check_share_layer(args, model_config, share: int | None = None) -> None:
+    """--share-choice-from (or `share`) names one of the model's layers that recall (a hybrid model's
+    sliding-window layers do not): a one-line error."""
+    share = getattr(args, "share_choice_from", None) if share is None else share
+    if not isinstance(share, int) or share < 0 or not getattr(args, "recall_pages", 0):
+        return
+    n = model_config.num_layers - int(getattr(model_config, "local_layers", 0) or 0)
+    if share >= n:
+        raise UsageError(f"--share-choice-from {share}: the model has {n} layers that recall (0..{n - 1})")
 
 
 def cold_store_args(args) -> dict:
@@ -223,6 +259,7 @@ def load_model_from_args(args):
     from rsqr_jax.models.llama import load_model, split_apply
 
     loaded = load_model(args.model, args.dtype, weight_format=args.weight_format)
+    check_share_layer(args, loaded.config)
     apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
     return loaded, apply_fn, params
 

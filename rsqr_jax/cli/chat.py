@@ -76,15 +76,24 @@ DEMO = MemoryDemo(
 )
 
 DTYPES = ("float32", "bfloat16")
+SHARE_NONE = -1  # --share-choice-from none: every layer chooses its own pages
 
 # decode.py's recall tier under rsqr when --recall-pages is not given: on, because without it the demo's
 # closing question is lost with the window (README; docs/recall_tier.md). Other policies keep their
 # published behaviour (off).
 DEFAULT_RECALL_PAGES = 4
-# ...and its page choice at every decode step (ColdStore.reselect 1, the library's default). Choosing every 4th
-# step costs less (1.15x plain rsqr per token instead of 1.41x at the default store) but recalled 57/80 facts
-# against 70/80 over four seeds of the fact probe (docs/recall_tier.md §8): `--reselect 4` is the user's trade.
-DEFAULT_RESELECT = 1
+# ...and, on the embedded model, layers after 14 (of 30) attend layer 14's page choice, chosen afresh every 4th
+# decode step: 72/80 facts of the fact probe against 70/80 when every layer chooses at every step, at 1.19x plain
+# rsqr's time per token instead of 1.83x with a full 4096-token store (docs/recall_tier.md §9). Choosing every 4th
+# step without sharing recalled 57/80 (§8). On another model (--model) every layer chooses at every step (the
+# library's defaults): the layer is the embedded model's.
+DEFAULT_RESELECT = 4
+DEFAULT_SHARE_FROM = 14
+
+
+def recall_choice_defaults(embedded: bool) -> tuple[int, int | None]:
+    """(reselect, share_from) decode.py uses when --reselect / --share-choice-from are not given."""
+    return (DEFAULT_RESELECT, DEFAULT_SHARE_FROM) if embedded else (1, None)
 
 
 def default_recall_pages(policy: str) -> int:
@@ -312,7 +321,7 @@ def saved_settings(header: dict) -> dict:
             "weights_dtype": header["identity"].get("dtype", cache_dtype_),
             **({"cold_capacity": cold.capacity, "page_size": cold.page_size, "page_score": cold.page_score,
                 "recall_neighbors": cold.neighbors, "placement": cold.placement,
-                "reselect": cold.reselect}
+                "reselect": cold.reselect, "share_choice_from": SHARE_NONE if cold.share_from is None else cold.share_from}
                if (cold := CacheSpec.from_json(header["spec"]).cold) else {}),
             **_saved_pins(header),
             "chat": bool(header["extra"].get("chat", False))}

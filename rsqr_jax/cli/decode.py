@@ -29,7 +29,7 @@ import sys
 import time
 
 from rsqr_jax.cli.args import (Parser, UsageError, add_model_args, add_policy_args, check_cache_fits, check_model_args,
-                     cold_store_args, policy_from_args, resolve_recall_default, run_main, status)
+                     check_share_layer, cold_store_args, policy_from_args, resolve_recall_default, run_main, status)
 
 DEMO_MAX_NEW_TOKENS = 128
 
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     # Checks that need only the model's config (fast), before the tokenizer and weights are loaded.
     model_path = args.model if args.model is not None else default_model_path()
     cfg = load_config(model_path)
+    check_share_layer(args, cfg)
     chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
     sizes = dict(dims=cfg, dtype=args.cache_dtype, max_chunk=chunk, **cold_store_args(args))
     if header is not None:
@@ -275,6 +276,7 @@ def main_jsonl(args) -> int:
     loaded = load_model(args.model, weights_dtype, weight_format=args.weight_format)
     apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
     tok, cfg = loaded.tokenizer, loaded.config
+    check_share_layer(args, cfg)
     status(f"model {loaded.path} loaded in {time.perf_counter() - t_load:.1f}s; policy {policy.name}; "
            f"{len(lines)} prompts")
     if not conversation.has_chat_template(tok):  # plain completion for every line on a model without a template

@@ -53,7 +53,11 @@ def model_args_from(args) -> dict:
     a = {"policy": args.policy, "window": args.window, "sinks": args.sinks, "delta": args.delta,
          "max_survivors": args.max_survivors, "block": args.block, "overflow": args.overflow,
          "recall_pages": args.recall_pages, "cold_capacity": args.cold_capacity, "page_size": args.page_size,
-         **({"page_score": args.page_score} if args.page_score else {}), "recall_neighbors": args.recall_neighbors, "model": args.model, "dtype": args.dtype, "kernel": args.kernel, "weight_format": args.weight_format,
+         **({"page_score": args.page_score} if args.page_score else {}), "recall_neighbors": args.recall_neighbors,
+         **({"placement": args.placement} if args.placement else {}),
+         **({"reselect": args.reselect} if args.reselect is not None else {}),
+         **({"share_from": args.share_choice_from} if args.share_choice_from is not None else {}),
+         "model": args.model, "dtype": args.dtype, "kernel": args.kernel, "weight_format": args.weight_format,
          "chunk": args.chunk, "max_length": args.max_length, "seed": args.seed, "batch_size": args.batch_size}
     try:
         extra = simple_parse_args_string(args.model_args)

@@ -28,7 +28,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from rsqr_jax.eval.harness import GenerateRequest, RequestEngine, SequentialEngine, StreamsEngine
 from rsqr_jax.policy_defaults import DEFAULTS
 from rsqr_jax.sampling import Sampling
-from rsqr_jax.spec import DEFAULT_PAGE_SCORE
+from rsqr_jax.spec import DEFAULT_PAGE_SCORE, DEFAULT_PLACEMENT
 
 # Model arguments and their defaults (the policy / recall / model flags of rsqr_jax/cli/args.py; the policy's are the
 # library's, rsqr_jax.policy_defaults).
@@ -36,6 +36,7 @@ MODEL_ARGS = {
     "policy": "rsqr", "window": DEFAULTS["window"], "sinks": DEFAULTS["n_sink"], "delta": DEFAULTS["delta"],
     "max_survivors": DEFAULTS["max_survivors"], "block": DEFAULTS["block"], "overflow": DEFAULTS["overflow"],
     "recall_pages": DEFAULTS["recall_pages"], "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
+    "placement": DEFAULT_PLACEMENT, "reselect": 1, "share_from": -1,  # -1: every layer chooses its pages
     "model": None, "dtype": "float32", "kernel": "auto", "weight_format": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }
@@ -85,6 +86,8 @@ def check_model_args(args: dict) -> dict:
         default = MODEL_ARGS[k]
         if isinstance(default, int) and not (isinstance(v, int) and not isinstance(v, bool)):
             raise ConfigError(f"model argument {k} must be an integer, got {v!r}")
+        if isinstance(v, bool):  # lm-eval's argument parser reads "true" / "false" as booleans
+            v = str(v).lower()
         out[k] = None if v is None else (v if isinstance(default, int) else str(v))
     return out
 
@@ -128,7 +131,9 @@ class RsqrLM(TemplateLM):
             from rsqr_jax.spec import ColdStore
 
             try:
-                store = ColdStore(a["cold_capacity"], a["page_size"], a["page_score"], a["recall_neighbors"])
+                store = ColdStore(a["cold_capacity"], a["page_size"], a["page_score"], a["recall_neighbors"],
+                                  placement=a["placement"], reselect=a["reselect"],
+                                  share_from=None if a["share_from"] == -1 else a["share_from"])
             except ValueError as e:
                 raise ConfigError(f"recall model arguments: {e}") from None
             cold = {"cold": store, "max_recall_pages": a["recall_pages"]}

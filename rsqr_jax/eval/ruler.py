@@ -59,6 +59,8 @@ class RulerSpec:
     page_size: int = 16
     cold_capacity: int = 4096
     chunk: int = 32
+    share_from: int | None = None  # rsqr+recall: layers after this one attend its page choice (ColdStore.share_from)
+    reselect: int = 1  # rsqr+recall: pages chosen afresh every k decode steps (ColdStore.reselect)
     max_gen_toks: int | None = None  # None: each task's own (niah 128, vt 30, fwe 50, cwe 120)
     seed: int = 0
     model: str = "embedded"  # a name for the cache key and the report (the caller loads the model)
@@ -99,6 +101,9 @@ class RulerSpec:
             raise ConfigError(f"start must be in [0, the first limit {self.limits[0]}), got {self.start}")
         if self.window < 8 or self.window >= self.seq_len:
             raise ConfigError(f"window must be in [8, seq_len), got {self.window}")
+        if self.reselect < 1 or (self.share_from is not None and self.share_from < 0):
+            raise ConfigError(f"reselect must be >= 1 and share_from a layer >= 0, got {self.reselect} and "
+                              f"{self.share_from}")
         if self.max_gen_toks is not None and self.max_gen_toks < 1:
             raise ConfigError(f"max_gen_toks must be >= 1, got {self.max_gen_toks}")
 
@@ -110,6 +115,10 @@ class RulerSpec:
         a = {**common, "policy": "rsqr" if policy.startswith("rsqr") else policy, "window": self.window}
         if policy == "rsqr+recall":
             a.update(recall_pages=self.recall_pages, page_size=self.page_size, cold_capacity=self.cold_capacity)
+            if self.share_from is not None:
+                a["share_from"] = self.share_from
+            if self.reselect != 1:
+                a["reselect"] = self.reselect
         return a
 
     def describe(self, policy: str) -> str:
@@ -117,7 +126,9 @@ class RulerSpec:
         if policy == "full":
             return "full"
         s = f"{a['policy']}(W={self.window}, N={self.sinks})"
-        return s + (f" + recall {self.recall_pages}x{self.page_size} of {self.cold_capacity}"
+        shared = (f", shared from layer {self.share_from}" if self.share_from is not None else "") + \
+            (f", chosen every {self.reselect} steps" if self.reselect != 1 else "")
+        return s + (f" + recall {self.recall_pages}x{self.page_size} of {self.cold_capacity}{shared}"
                     if policy == "rsqr+recall" else "")
 
     def cache_path(self, cache_dir: str, policy: str) -> str:
@@ -264,7 +275,7 @@ def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = Non
 
 # What must agree for two reports' cells to be the same cells (the samples then agree too: checked).
 _SAME_CELLS = ("seq_len", "window", "sinks", "recall_pages", "page_size", "cold_capacity", "chunk", "max_gen_toks",
-               "seed", "model")
+               "seed", "model", "share_from", "reselect")
 
 
 def merge_reports(earlier: dict, result: dict) -> dict:
@@ -273,7 +284,8 @@ def merge_reports(earlier: dict, result: dict) -> dict:
     samples. The two must share their settings, and the samples they share must have the same targets
     (the same generated samples): otherwise a ConfigError."""
     a, b = earlier["config"], result["config"]
-    differ = [k for k in _SAME_CELLS if a.get(k) != b.get(k)]
+    default = {f.name: f.default for f in dataclasses.fields(RulerSpec)}  # a setting older reports lack
+    differ = [k for k in _SAME_CELLS if a.get(k, default[k]) != b.get(k, default[k])]
     if differ:
         raise ConfigError(f"the earlier report has other settings ({', '.join(differ)}): its cells are not these")
     cells = {t: dict(row) for t, row in result["cells"].items()}

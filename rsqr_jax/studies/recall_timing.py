@@ -37,6 +37,7 @@ class BenchRecallConfig:
     rounds: int = 3
     page_scores: tuple[str, ...] = (DEFAULT_PAGE_SCORE,)  # every recalling size runs under each rule (spec.PAGE_SCORES)
     reselects: tuple[int, ...] = (1,)  # and under each ColdStore.reselect (pages chosen afresh every k steps)
+    share_froms: tuple[int | None, ...] = (None,)  # and each ColdStore.share_from (None: every layer chooses)
     fill: bool = False  # feed each size's prompt once with recall off; every arm starts from that state
 
     def __post_init__(self):
@@ -52,6 +53,8 @@ class BenchRecallConfig:
             raise ConfigError(f"--page-scores must be a list of {', '.join(PAGE_SCORES)}, got {self.page_scores}")
         if not self.reselects or min(self.reselects) < 1:
             raise ConfigError(f"--reselect must be a list of integers >= 1, got {self.reselects}")
+        if not self.share_froms or any(r is not None and r < 0 for r in self.share_froms):
+            raise ConfigError(f"--share-choice-from must be a list of layers >= 0 or 'none', got {self.share_froms}")
         base_policy.check(self.policy)
 
 
@@ -89,13 +92,14 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
 
     prompts = {n: read_tokens(tokenizer, cfg.text, n) for n in cfg.prompt_tokens}
     chunk = min(64, int(cfg.policy.window))
-    sessions = {}  # (cold size, page rule or None, reselect, prompt length) -> (session, bytes by part)
+    sessions = {}  # (cold size, page rule or None, reselect, share_from, prompt length) -> (session, bytes by part)
     filled = {}  # (cold size, prompt length) -> the Session fed with recall off (fill)
     for size in sorted(cfg.cold_sizes, reverse=cfg.fill):  # fill: plain rsqr takes a filled state
-        for rule, every in ([(r, e) for r in cfg.page_scores for e in cfg.reselects] if size else [(None, 1)]):
+        for rule, every, share in ([(r, e, sh) for r in cfg.page_scores for e in cfg.reselects for sh in cfg.share_froms]
+                                   if size else [(None, 1, None)]):
             k = cfg.recall_pages if size else 0
             pol = cfg.policy.replace(mode="rsqr", recall_pages=k)
-            cold = ColdStore(size, cfg.page_size, rule, reselect=every) if size else None
+            cold = ColdStore(size, cfg.page_size, rule, reselect=every, share_from=share) if size else None
             spec = CacheSpec.for_policies(pol, cold=cold, dims=model_config, max_chunk=chunk)
             for n, prompt in prompts.items():  # sessions of one spec share its compilation
                 s = Session(apply_fn, params, spec, pol, prefill_chunk=chunk)
@@ -112,8 +116,8 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
                                f"{time.perf_counter() - t0:.0f}s")
                         filled[size, n] = src
                     _adopt(s, src)
-                sessions[size, rule, every, n] = (s, spec.bytes_by_part(pol), _recallable(s))
-            status(f"bench_recall: cold {size} ({rule or 'no recall'}, reselect {every}): compiled in "
+                sessions[size, rule, every, share, n] = (s, spec.bytes_by_part(pol), _recallable(s))
+            status(f"bench_recall: cold {size} ({rule or 'no recall'}, reselect {every}, share from {share}): compiled in "
                    f"{s.compile_s:.1f}s")
     filled.clear()
     times = {key: [] for key in sessions}
@@ -124,29 +128,35 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
             times[key].append((time.perf_counter() - t0) / cfg.new_tokens)
         status(f"bench_recall: round {r + 1}/{cfg.rounds}")
     first = next((key for key in sessions if key[0] == 0), next(iter(sessions)))  # plain rsqr, when it ran
-    base = {n: float(np.median(times[first[:3] + (n,)])) for n in cfg.prompt_tokens}
+    base = {n: float(np.median(times[first[:4] + (n,)])) for n in cfg.prompt_tokens}
     rows = []
-    for (size, rule, every, n), (s, parts, before) in sorted(sessions.items(), key=lambda kv: kv[0][0]):
-        ms = 1000 * float(np.median(times[size, rule, every, n]))
+    for (size, rule, every, share, n), (s, parts, before) in sorted(sessions.items(), key=lambda kv: kv[0][0]):
+        ms = 1000 * float(np.median(times[size, rule, every, share, n]))
         rows.append({"cold_capacity": size, "page_score": rule, "recall_pages": cfg.recall_pages if size else 0,
-                     "reselect": every, "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
-                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, every, n]],
+                     "reselect": every, "share_from": share, "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
+                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, every, share, n]],
                      "ratio": ms / (1000 * base[n]), "cold_store_MiB": parts["cold_store"] / 2**20,
                      "device_cache_MiB": (parts["total"] - parts["cold_store"]) / 2**20})
     return {"config": base_policy.config_json(cfg, ("window", "n_sink", "delta", "max_survivors")), "rows": rows}
 
 
 def markdown(result: dict) -> str:
-    out = ["| cold store (tokens) | recall pages | page score | reselect | prompt | recallable (start-end) | "
-           "ms/token (median) | ratio to the first row's prompt | cold store MiB | window + survivors MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| cold store (tokens) | recall pages | page score | reselect | choice shared from | prompt | "
+           "recallable (start-end) | ms/token (median) | ratio to the first row's prompt | cold store MiB | "
+           "window + survivors MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         a, b = r["recallable"]
         out.append(f"| {r['cold_capacity']} | {r['recall_pages']} | {r.get('page_score') or '-'} | "
                    f"{r.get('reselect', 1) if r['recall_pages'] else '-'} | "
+                   f"{_shared(r) if r['recall_pages'] else '-'} | "
                    f"{r['prompt_tokens']} | {a}-{b} | {r['ms_per_token']:.1f} | {r['ratio']:.2f} | "
                    f"{r['cold_store_MiB']:.0f} | {r['device_cache_MiB']:.1f} |")
     return "\n".join(out) + "\n"
+
+
+def _shared(row: dict) -> str:
+    share = row.get("share_from")
+    return "every layer chooses" if share is None else f"layer {share}"
 
 
 def write(result: dict, out_dir) -> None:

@@ -60,7 +60,8 @@ def rope_f64(x, pos, inv_freq):
 def stream_logits_f64(weights, cfg, tokens, token_sets, semantics, positions=None):
     """float64 logits [T, V] of a single sequence streamed token by token.
 
-    token_sets[t] = cached global positions after token t (must contain t). semantics 'rank': a cached
+    token_sets[t] = cached global positions after token t (must contain t), or a list of one such set per
+    layer (layers that attend different tokens: the recall tier's per-layer page choice). semantics 'rank': a cached
     token sits at its rank in that set and the query at its own rank; 'global': both at global positions;
     'given': positions[t] maps each cached global position (the query's, t, included) to its logical position.
     Raw K/V of a token are computed once, when it is processed (no consolidation). Vectorized over heads
@@ -76,14 +77,16 @@ def stream_logits_f64(weights, cfg, tokens, token_sets, semantics, positions=Non
     head = w["embed"].T if "lm_head" not in w else w["lm_head"]
     out = []
     for t, tok in enumerate(tokens):
-        cached = np.asarray(sorted(token_sets[t]))
-        assert cached[-1] == t
-        if semantics == "given":
-            pos_N = np.asarray([positions[t][g] for g in cached], np.float64)
-        else:
-            pos_N = np.arange(len(cached)) if semantics == "rank" else cached
+        per_layer = isinstance(token_sets[t], list) and len(token_sets[t]) == L and not np.isscalar(token_sets[t][0])
+        sets = token_sets[t] if per_layer else [token_sets[t]] * L
         x = w["embed"][tok]
         for l in range(L):
+            cached = np.asarray(sorted(sets[l]))
+            assert cached[-1] == t
+            if semantics == "given":
+                pos_N = np.asarray([positions[t][g] for g in cached], np.float64)
+            else:
+                pos_N = np.arange(len(cached)) if semantics == "rank" else cached
             h = _rms(x, w["attn_norm"][l], cfg.rms_norm_eps)
             q, k, v = h @ w["wq"][l], h @ w["wk"][l], h @ w["wv"][l]
             if cfg.attention_bias:
