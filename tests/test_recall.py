@@ -457,20 +457,22 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
     cfg = B.BenchRecallConfig(str(text), (0, 32), recall_pages=2, page_size=4, policy=P.rsqr(8, 2, 3, 3),
-                              prompt_tokens=40, new_tokens=3, rounds=2, page_scores=("mean", "max"),
-                              share_froms=(None, 0))
+                              prompt_tokens=40, new_tokens=3, rounds=2, page_scores=("mean", "max"))
     res = B.run(cfg, *_model(0), CFG, ByteTokenizer(CFG.vocab_size))
-    rows = [r for r in res["rows"] if r["share_from"] is None]
-    assert [(r["cold_capacity"], r["page_score"]) for r in rows] == [(0, None), (32, "mean"), (32, "max")]
-    shared = [(r["page_score"], r["share_from"]) for r in res["rows"] if r["share_from"] is not None]
-    assert shared == [("mean", 0), ("max", 0)]
+    rows = res["rows"]
+    assert [(r["cold_capacity"], r["page_score"], r["share_from"]) for r in rows] == \
+        [(0, None, None), (32, "mean", None), (32, "max", None)]
     assert rows[0]["ratio"] == 1.0
     assert rows[0]["cold_store_MiB"] == 0 < rows[1]["cold_store_MiB"] < rows[2]["cold_store_MiB"]  # + scoring copy
     assert all(len(r["ms_rounds"]) == 2 and r["ms_per_token"] > 0 for r in rows)
     assert rows[1]["device_cache_MiB"] == rows[0]["device_cache_MiB"]  # recall adds no device-cache slots
     B.write(res, tmp_path / "out")
-    md = (tmp_path / "out" / "bench_recall.md").read_text()
-    assert "| 32 | 2 | max | 1 | every layer chooses |" in md and "| 32 | 2 | max | 1 | layer 0 |" in md
+    assert "| 32 | 2 | max | 1 | every layer chooses |" in (tmp_path / "out" / "bench_recall.md").read_text()
+    # Each shared layer is an arm of its own, with its ColdStore (section 9's table; one rule, one round here).
+    shared = B.run(dataclasses.replace(cfg, cold_sizes=(32,), page_scores=("max",), share_froms=(0,), rounds=1),
+                   *_model(0), CFG, ByteTokenizer(CFG.vocab_size))
+    assert [(r["share_from"], r["reselect"]) for r in shared["rows"]] == [(0, 1)]
+    assert "| 32 | 2 | max | 1 | layer 0 |" in B.markdown(shared)
     committed = json.loads((REPO / "docs/data/recall_tier/bench_share_4k.json").read_text())["config"]
     assert list(res["config"]) == list(committed) and res["config"]["max_survivors"] == 3  # the results' layout
     older = json.loads((REPO / "docs/data/recall_tier/bench_full_4k.json").read_text())["config"]
