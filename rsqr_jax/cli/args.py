@@ -111,9 +111,9 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
     g.add_argument("--recall-neighbors", type=int, default=0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
     g.add_argument("--reselect", type=int, default=None,
-                   help="choose pages afresh every k decode steps (default 1: every step; 4 costs less and recalls "
-                   "fewer facts; prompts and the step after one always choose); in between each layer attends the "
-                   "pages it chose last, so the scoring costs 1/k")
+                   help="choose pages afresh every k decode steps (default 1, except decode.py on the embedded model: "
+                   "4, with --share-choice-from 14; prompts and the step after one always choose); in between each "
+                   "layer attends the pages it chose last, so the scoring costs 1/k")
     g.add_argument("--share-choice-from", type=layer_or_none, default=None, metavar="LAYER",
                    help="layers after LAYER attend the pages LAYER chose instead of scoring the store themselves "
                    "(the store is scored in LAYER + 1 layers, not all); none: every layer chooses (the default, "
