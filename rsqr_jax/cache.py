@@ -21,8 +21,9 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
 * cold_choice / cold_choice_on [L, B, M or 0], cold_step [1 or 0]: with ColdStore.reselect > 1 (or share_from),
-  the pages each layer chose when it last scored the store (or attends: a later layer's is the sharing layer's) (M = recall_pages_gathered, with an active mask) and the step count
-  that says when it scores again; empty otherwise.
+  the pages each layer chose when it last scored the store (M = recall_pages_gathered, with an active mask; a
+  layer after share_from reads the sharing layer's row) and the step count that says when it scores again;
+  empty otherwise.
 * loc_k / loc_v [Lloc, B, Hkv, Wl, D], loc_pos [Wl]: the rings of a hybrid model's local (sliding-window)
   layers (CacheSpec.local_layers rings of local_window slots; empty otherwise; rsqr_jax.hybrid). Keys rotated
   once at their global positions, written at `g mod Wl`; the policy never reaches them. The policy's fields

@@ -110,7 +110,7 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     # ColdStore.share_from = r: a layer after r attends the pages layer r chose this step (layers run in order,
     # so layer r has written its choice) and scores nothing; layers up to r choose their own.
     chooser, now = layer, rc.reselect_now
-    if rc.share_from >= 0:
+    if rc.share_from is not None:
         chooser, now = jnp.minimum(layer, rc.share_from), rc.reselect_now & (layer <= rc.share_from)
     kept = (cache.cold_choice[chooser], cache.cold_choice_on[chooser]) if rc.keeps_choice else None
 

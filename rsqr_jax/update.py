@@ -227,7 +227,7 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
                     score_block=_recall.SCORE_BLOCK_PAGES, placement=placement,
                     fixed_pos=g_C[0] - policy.window,
                     keeps_choice=(reselect > 1 or share_from is not None) and bool(max_recall_pages and Nc),
-                    share_from=-1 if share_from is None else share_from,  # CacheSpec.reselects: the choice is kept
+                    share_from=share_from,  # CacheSpec.reselects: the choice is kept
                     # choose afresh every reselect-th step and at every chunk of more than one token (a prompt: the
                     # question's own rows choose the pages its first answer token reads)
                     reselect_now=(jnp.sum(cache.cold_step) % reselect == 0) | (n_valid > 1))

@@ -8,10 +8,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model_args, check_share_layer,
-                               load_model_from_args, run_main)
+                               layer_or_none, load_model_from_args, run_main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--reselect must be comma-separated integers, got {args.reselect!r}")
     try:
-        shares = tuple(None if x.strip() == "none" else int(x) for x in args.share_choice_from.split(","))
-    except ValueError:
+        shares = tuple(None if v < 0 else v for v in map(layer_or_none, args.share_choice_from.split(",")))
+    except argparse.ArgumentTypeError:
         p.error(f"--share-choice-from must be comma-separated layers or none, got {args.share_choice_from!r}")
     if args.quick:
         sizes, args.new_tokens, args.rounds = (0, 256), 8, 1
