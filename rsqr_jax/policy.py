@@ -290,7 +290,19 @@ def is_flagged(g: jax.Array, n_sink: jax.Array, delta: jax.Array) -> jax.Array:
     return (delta > 0) & (g >= n_sink) & ((g - n_sink) % d == d - 1)
 
 
+# Up to this many entries, order_index counts the entries before each one ([S, S] comparisons) instead of sorting:
+# the same ranks, in less time than XLA:CPU's sort at the sizes a step ranks (survivors plus recalled tokens).
+RANK_BY_COUNT_MAX = 256
+
+
 def order_index(mask: jax.Array, key: jax.Array) -> jax.Array:
-    """0-based rank of each masked entry among the masked entries, ordered by key (O(S log S))."""
-    order = jnp.argsort(jnp.where(mask, key, jnp.iinfo(jnp.int32).max), stable=True)
-    return jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=key.dtype))
+    """0-based rank of each masked entry among the masked entries, ordered by key, ties by index (the masked-off
+    entries rank after them, by index): the inverse of a stable argsort."""
+    k = jnp.where(mask, key, jnp.iinfo(jnp.int32).max)
+    n = key.shape[0]
+    if n <= RANK_BY_COUNT_MAX:
+        i = jnp.arange(n)
+        before = (k[None, :] < k[:, None]) | ((k[None, :] == k[:, None]) & (i[None, :] < i[:, None]))
+        return jnp.sum(before, axis=1, dtype=key.dtype)
+    order = jnp.argsort(k, stable=True)
+    return jnp.zeros_like(key).at[order].set(jnp.arange(n, dtype=key.dtype))

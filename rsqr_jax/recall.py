@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 
 # Pages scored per block while the store fills (recalled_tokens): a layer scores only the blocks that hold a
-# recallable token, under a loop whose trip count is their number; 0 = score every page at every step.
-SCORE_BLOCK_PAGES = 64
+# recallable token, under a loop whose trip count is their number; 0 = score every page at every step. Each trip
+# costs a fixed overhead on XLA:CPU, so blocks are large: 256 pages, a default store's whole ring.
+SCORE_BLOCK_PAGES = 256
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -146,10 +147,25 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
     return jax.lax.fori_loop(0, n_blocks, block, jnp.full((B, n_pages), -jnp.inf, jnp.float32))
 
 
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 codes of each vector along the last axis and its float32 scale (max |x| / 127; an all-zero
+    vector gets scale 0 and codes 0): x ~ codes * scale, each value within scale / 2."""
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    codes = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(codes, -127, 127).astype(jnp.int8), scale.astype(jnp.float32)
+
+
 def _best_token(q_BxCxHkvxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.Array:
     """max over each run of Pg keys (a page) of q . k, over real rows and all heads; [B, N / Pg] (-inf for a
-    page with no valid key)."""
-    s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxHkvxGxD, k_BxHkvxNxD, precision=jax.lax.Precision.HIGHEST)
+    page with no valid key). Keys in float32, or (codes int8, scales [B, Hkv, N]) as quantize_int8 made them:
+    then the query is quantized the same way and q . k is the int32 dot of the codes times both scales."""
+    if isinstance(k_BxHkvxNxD, tuple):
+        k_codes, k_scale = k_BxHkvxNxD
+        q_codes, q_scale = quantize_int8(q_BxCxHkvxGxD)
+        dot = jnp.einsum("bckgd,bknd->bckgn", q_codes, k_codes, preferred_element_type=jnp.int32)
+        s = dot.astype(jnp.float32) * q_scale[..., None] * k_scale[:, None, :, None, :]
+    else:
+        s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxHkvxGxD, k_BxHkvxNxD, precision=jax.lax.Precision.HIGHEST)
     s = jnp.where(q_real_C[None, :, None, None, None] & valid_BxN[:, None, None, None, :], s, -jnp.inf)
     return jnp.max(s.reshape(s.shape[:4] + (s.shape[4] // Pg, Pg)), axis=(1, 2, 3, 5))
 
@@ -193,15 +209,51 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, 
     return jnp.full((B, n_pages), -jnp.inf, jnp.float32).at[rows, idx].set(jnp.where(listed, best_BxM, -jnp.inf))
 
 
+# Up to this many pages, choose_pages picks them one at a time (a few passes over the scores each); more go through
+# one sort. Both give the same pages in the same order; on XLA:CPU a sort of a 64k-token store's 4096 pages cost
+# more per layer than scoring them (docs/recall_tier.md section 10).
+PICK_PAGES_MAX = 16
+
+
 def choose_pages(scores_BxNp, cold_pos_Nc, k_pages, max_pages: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k_pages pages per row ([B, max_pages] indices and an active mask); ties go to the more recent page."""
+    """Top-k_pages pages per row ([B, max_pages] indices and an active mask), by score, ties to the more recent
+    page, then to the lower index (the order of a stable sort on (-score, -newest position))."""
     n_pages = scores_BxNp.shape[1]
     newest_Np = jnp.max(cold_pos_Nc.reshape(n_pages, -1), axis=1)
-    order = jnp.lexsort((jnp.broadcast_to(-newest_Np, scores_BxNp.shape), -scores_BxNp), axis=-1)
-    idx = order[:, :max_pages]
+    if max_pages > PICK_PAGES_MAX:
+        order = jnp.lexsort((jnp.broadcast_to(-newest_Np, scores_BxNp.shape), -scores_BxNp), axis=-1)
+        idx = order[:, :max_pages]
+    else:
+        idx = _pick_best(_sort_key(scores_BxNp), jnp.broadcast_to(newest_Np, scores_BxNp.shape), max_pages)
     chosen = jnp.take_along_axis(scores_BxNp, idx, axis=1)
     active = (jnp.arange(max_pages)[None] < k_pages) & (chosen > -jnp.inf)
     return idx, active
+
+
+def _sort_key(x_f32: jax.Array) -> jax.Array:
+    """int32 keys in the order jax's float sort uses (-0.0 equal to +0.0, NaN below -inf): the float's bits, the
+    negative ones with their magnitude bits flipped."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x_f32 == 0, jnp.float32(0), x_f32), jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jnp.where(jnp.isnan(x_f32), jnp.iinfo(jnp.int32).min + 1, key)
+
+
+def _pick_best(key_BxN, newest_BxN, k: int) -> jax.Array:
+    """The k best entries per row, best first: highest key, then highest newest, then lowest index ([B, k])."""
+    n = key_BxN.shape[1]
+    lowest = jnp.iinfo(jnp.int32).min
+    index_N = jnp.arange(n, dtype=jnp.int32)
+    taken = jnp.zeros(key_BxN.shape, bool)
+    picks = []
+    for _ in range(k):
+        best_key = jnp.max(jnp.where(taken, lowest, key_BxN), axis=1, keepdims=True)
+        tied = ~taken & (key_BxN == best_key)
+        best_newest = jnp.max(jnp.where(tied, newest_BxN, lowest), axis=1, keepdims=True)
+        tied &= newest_BxN == best_newest
+        pick = jnp.min(jnp.where(tied, index_N, n), axis=1)
+        taken |= index_N == pick[:, None]
+        picks.append(pick)
+    return jnp.stack(picks, axis=1)
 
 
 def with_neighbors(idx_BxR, active_BxR, cold_pos_Nc, n_pages: int, n: int) -> tuple[jax.Array, jax.Array]:
@@ -313,7 +365,8 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
 
     Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
     of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
-    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise). Every write is a scatter at the chunk's
+    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise; with the int8 copy, its codes and [B, Hkv, R]
+    scales). Every write is a scatter at the chunk's
     slots and pages into the [L, ...] buffer, in place; every read a gather from it (never a slice of the
     layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
     5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
@@ -348,8 +401,15 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
         # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
         # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the
         # docstring).
-        k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
-        glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
+        if cache.cold_k_glob.dtype == jnp.int8:  # ColdStore.score_dtype: codes and a scale per key
+            codes, scale = quantize_int8(rot_BxHxCxD)
+            k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(codes, 2, 0))
+            k_scale = out["cold_k_scale"] = cache.cold_k_scale.at[at].set(jnp.moveaxis(scale, 2, 0), mode="drop")
+            glob = lambda slots_BxR: (gather_layer_slots(k_glob, layer, slots_BxR),  # noqa: E731
+                                      gather_layer_slots(k_scale[..., None], layer, slots_BxR)[..., 0])
+        else:
+            k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
+            glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
     return cache.replace(**out), (layer_sum, lo, hi, glob)
 
 

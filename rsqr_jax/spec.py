@@ -28,6 +28,10 @@ SHORTLIST_PER_PAGE = 16
 # The default: "max" answers 35/40 mid-stream facts where "mean" answers 19/40 (docs/recall_tier.md), for
 # ~1.3x the per-token time of "mean" with the default 4096-token store (more for larger stores).
 DEFAULT_PAGE_SCORE = "max"
+# How the "max" rule's scoring copy stores a key: "float32" (exact scores), or "int8" (codes and a float32 scale per
+# key and KV head, scored against the query quantized the same way, an int32 dot: a quarter of the bytes to read,
+# and the scoring is memory-bound; docs/recall_tier.md section 10).
+SCORE_DTYPES = ("float32", "int8")
 # Where recalled tokens sit on the query's timeline (docs/design.md §3b). Recalled keys are raw, so each is
 # rotated once from raw whatever the placement. "rank": at their rank among sinks, pins and survivors in the
 # raw segment (the survivor-segment query moves past them; distances stay bounded by the cache). "true": at
@@ -52,7 +56,7 @@ class ColdStore:
     chooses its own pages; a policy-layer index r: layers 0..r choose their own and every later layer attends
     the pages layer r chose in the same step, so the store is scored in r + 1 layers instead of all: the
     measured reason is that a few middle layers find the fact's page far more often than the rest,
-    docs/recall_tier.md). The placement is static, a compilation of its own: "rank"
+    docs/recall_tier.md) and score_dtype (SCORE_DTYPES: the "max" rule's scoring copy in float32 or int8). The placement is static, a compilation of its own: "rank"
     extends the raw segment and the others the window segment, so a dynamic choice would carry both in every
     step. Validated here, once; ValueError on impossible values."""
 
@@ -63,6 +67,7 @@ class ColdStore:
     placement: str = DEFAULT_PLACEMENT
     reselect: int = 1
     share_from: int | None = None
+    score_dtype: str = "float32"
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -81,6 +86,8 @@ class ColdStore:
             raise ValueError(f"share_from must be a layer index >= 0 or None, got {self.share_from!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        if self.score_dtype not in SCORE_DTYPES:
+            raise ValueError(f"unknown score dtype {self.score_dtype!r}: choose one of {', '.join(SCORE_DTYPES)}")
 
     @property
     def pages(self) -> int:
@@ -174,6 +181,18 @@ class CacheSpec:
     def page_score(self) -> str | None:
         """The cold store's page rule (None without one)."""
         return None if self.cold is None else self.cold.page_score
+
+    @property
+    def scoring_copy_dtype(self) -> str:
+        """dtype of KVCache.cold_k_glob (ColdStore.score_dtype; float32 without a cold store)."""
+        return "float32" if self.cold is None else self.cold.score_dtype
+
+    @property
+    def scoring_copy_bytes(self) -> int:
+        """Bytes of the "max" rule's scoring copy per cold slot (all layers and KV heads): float32 keys, or int8
+        codes and a float32 scale per key."""
+        per_head = self.head_dim * 4 if self.scoring_copy_dtype == "float32" else self.head_dim + 4
+        return self.num_layers * self.batch * self.num_kv_heads * per_head
 
     @property
     def recall_slots(self) -> int:
@@ -285,7 +304,7 @@ class CacheSpec:
                           + (2 * PIN_SPANS if self.pins else 0)) * 4,
             "cold_store": self.cold_slots * (self.entry_bytes + 4)
             + self.cold_pages * summary_bytes * (3 if self.page_score == "quest" else 1)
-            + (self.cold_slots * summary_bytes if self.page_score == "max" else 0),  # the float32 scoring copy
+            + (self.cold_slots * self.scoring_copy_bytes if self.page_score == "max" else 0),
         }
         if self.local_layers:  # the local layers' rings (their K/V and the slots' positions), a part of their own
             out["local_window"] = (2 * self.local_layers * self.batch * self.num_kv_heads * self.head_dim

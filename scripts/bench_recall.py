@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share-choice-from", default="none", metavar="LAYERS",
                    help="a list to compare, e.g. none,18: layers after LAYER attend the pages LAYER chose "
                    "(ColdStore.share_from; none = every layer chooses)")
+    p.add_argument("--score-dtypes", default="float32", help="the max rule's scoring copy, a list to compare, e.g. "
+                   "float32,int8 (ColdStore.score_dtype)")
     p.add_argument("--prompt-tokens", default="512", help="prompt lengths, one arm each, e.g. 32,2048 (a prompt "
                    "that stays inside the window with every generated token leaves the store empty)")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     rules = {"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}
     cfg = B.BenchRecallConfig(args.text, sizes, recall_pages=args.recall_pages, page_size=args.page_size, **rules,
                               prompt_tokens=prompts, new_tokens=args.new_tokens, rounds=args.rounds,
-                              reselects=reselects, share_froms=shares, fill=args.fill)
+                              reselects=reselects, share_froms=shares, score_dtypes=tuple(args.score_dtypes.split(",")),
+                              fill=args.fill)
     loaded, apply_fn, params = load_model_from_args(args)
     for share in shares:
         check_share_layer(args, loaded.config, share)

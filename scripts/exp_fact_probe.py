@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reselect", type=int, default=None, help="choose pages afresh every k decode steps (default 1)")
     p.add_argument("--share-choice-from", type=layer_or_none, default=None, metavar="LAYER",
                    help="layers after LAYER attend the pages LAYER chose (default, or none: every layer chooses)")
+    p.add_argument("--score-dtype", default=None, help="the max rule's scoring copy: float32 (the default) or int8")
     p.add_argument("--lead-max", type=int, default=0,
                    help="0..N random filler tokens before the fact (mid-stream, any page alignment)")
     p.add_argument("--seed", type=int, default=7)

@@ -208,12 +208,13 @@ def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_p
     assert result == json.loads((tmp_path / "decode.json").read_text())
     assert (result["weights_dtype"], result["cache_dtype"], result["dtype"]) == ("float32", "bfloat16", "bfloat16")
     c = smollm2_config
-    # decode.py's defaults: rsqr with the recall tier on (4 pages of the default 4096-token cold store)
+    # decode.py's defaults: rsqr with the recall tier on (4 pages of the default 4096-token cold store, int8 scoring copy)
     pol = make_policy("rsqr", window=256, n_sink=4, delta=8, max_survivors=64, block=1, overflow="fifo",
                       recall_pages=chat.DEFAULT_RECALL_PAGES)
     spec = CacheSpec.for_policies(pol, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                   dtype="bfloat16", max_chunk=64, max_recall_pages=chat.DEFAULT_RECALL_PAGES,
-                                  cold=ColdStore(4096, 16))
+                                  cold=ColdStore(4096, 16, reselect=chat.DEFAULT_RESELECT, share_from=chat.DEFAULT_SHARE_FROM,
+                                                 score_dtype=chat.DEFAULT_SCORE_DTYPE))
     assert result["cache_bytes"] == spec.bytes_by_part(pol) and result["cache_bytes"]["cold_store"] > 0
     assert result["policy_name"].endswith("recall=4)")
     assert "float32 weights, bfloat16 cache" in proc.stderr

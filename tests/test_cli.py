@@ -196,10 +196,10 @@ def test_policy_flags_take_the_library_defaults_and_a_subset_builds_the_same_pol
 
 
 def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_off(tmp_path):
-    """decode.py on the embedded model: layers after 14 attend layer 14's choice, chosen every 4th step; on another
-    model every layer chooses at every step; `--share-choice-from none` and a resumed session that did not share
+    """decode.py on the embedded model: layers after 14 attend layer 14's choice, chosen every 4th step from the
+    int8 scoring copy; on another model every layer chooses at every step from the float32 copy; `--share-choice-from none` and a resumed session that did not share
     keep every layer choosing."""
-    from rsqr_jax.cli.args import cold_store_flags, resolve_recall_default
+    from rsqr_jax.cli.args import UsageError, cold_store_flags, resolve_recall_default
     from rsqr_jax.cli.chat import SHARE_NONE, saved_settings
     from rsqr_jax.cli.decode import build_parser
     from rsqr_jax.spec import CacheSpec, ColdStore
@@ -211,10 +211,12 @@ def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_o
 
     model = tmp_path / "other.gguf"
     model.write_bytes(b"")
-    assert cold([]) == ColdStore(reselect=4, share_from=14)
+    assert cold([]) == ColdStore(reselect=4, share_from=14, score_dtype="int8")
     assert cold(["--model", str(model)]) == ColdStore()
-    assert cold(["--share-choice-from", "none"]) == ColdStore(reselect=4)
-    assert cold(["--share-choice-from", "20", "--reselect", "1"]) == ColdStore(share_from=20)
+    assert cold(["--share-choice-from", "none"]) == ColdStore(reselect=4, score_dtype="int8")
+    assert cold(["--share-choice-from", "20", "--reselect", "1", "--score-dtype", "float32"]) == ColdStore(share_from=20)
+    with pytest.raises(UsageError, match="unknown score dtype 'int4'"):
+        cold(["--score-dtype", "int4"])
     for saved, want in ((None, SHARE_NONE), (14, 14)):  # a session saved unshared, and one shared from 14
         spec = CacheSpec(30, 1, 3, 64, 8, 4, cold=ColdStore(share_from=saved), max_recall_pages=4)
         header = {"policy": {"mode": 7, "overflow": 0, **dict.fromkeys(
@@ -225,3 +227,4 @@ def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_o
         vars(args).update(saved_settings(header))
         resolve_recall_default(args)  # the defaults do not override what the session fixed
         assert args.share_choice_from == want and cold_store_flags(args).share_from == saved
+        assert cold_store_flags(args).score_dtype == "float32"  # as saved, not the new session's default

@@ -28,6 +28,7 @@ from rsqr_jax.engine import TRACES
 from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
 from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model, tiny_weights
 from rsqr_jax.sampling import Sampling
+from rsqr_jax import recall
 from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
 from rsqr_jax.update import commit, plan_step
 
@@ -191,6 +192,56 @@ def test_max_rule_scores_each_page_by_its_best_recallable_token():
     assert extra == best.cold_slots * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
 
 
+def test_int8_scoring_copy_scores_within_its_quantization_bound():
+    """ColdStore.score_dtype "int8": page_scores on int8 codes and scales (recall.quantize_int8) against the
+    float64 scores of the same keys: each token's q . k is off by at most |q|_1 s_k / 2 + |k^|_1 s_q / 2 (s: a
+    vector's scale, k^ its dequantized codes), so each page's maximum is too; codes times scale is the key within
+    half a scale; the store's memory counts D + 4 bytes per key."""
+    from rsqr_jax.recall import quantize_int8
+
+    seed = drawn_seed("int8-copy")
+    rng = np.random.default_rng(seed)
+    B, C, Hq, Hkv, D, n_pages, Pg = 2, 2, 4, 2, 16, 6, 4
+    q = rng.normal(size=(B, C, Hq, D)).astype(np.float32)
+    k = (rng.normal(size=(B, Hkv, n_pages * Pg, D)) * rng.uniform(0.1, 10, size=(1, 1, n_pages * Pg, 1))).astype(np.float32)
+    k[:, :, 5] = 0.0  # an all-zero key: scale 0
+    valid = rng.random(n_pages * Pg) < 0.8
+    packed = quantize_int8(jnp.asarray(k))
+    codes, scale = (np.asarray(x) for x in packed)
+    assert codes.dtype == np.int8 and codes.shape == k.shape and scale.shape == k.shape[:-1]
+    assert np.all(np.abs(codes * scale[..., None] - k) <= scale[..., None] / 2 + 1e-6 * np.abs(k)), seed
+    q_global, real = np.array([40, 41], np.int32), np.array([True, True])
+    inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    rc = Recall(jnp.int32(2), jnp.asarray(valid), jnp.zeros((1,), jnp.int32), jnp.asarray(q_global),
+                jnp.asarray(real), jnp.asarray(True), 2)
+    zeros = jnp.zeros((B, Hkv, n_pages, D), jnp.float32)
+    got = np.asarray(page_scores(jnp.asarray(q), zeros, jnp.asarray(np.arange(n_pages * Pg, dtype=np.int32)), rc,
+                                 jnp.asarray(inv), None, None, packed))
+    ang = q_global[:, None].astype(np.float64) * inv.astype(np.float64)[None]
+    c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    q_rot = np.concatenate([q[..., :D // 2] * c - q[..., D // 2:] * s, q[..., D // 2:] * c + q[..., :D // 2] * s], -1)
+    q_rot = q_rot.reshape(B, C, Hkv, Hq // Hkv, D)
+    tok = np.einsum("bckgd,bknd->bckgn", q_rot, k.astype(np.float64))
+    s_q = np.abs(q_rot).max(-1) / 127
+    k_hat = codes.astype(np.float64) * scale[..., None]
+    bound = (np.abs(q_rot).sum(-1)[..., None] * scale[:, None, :, None, :] / 2
+             + np.abs(k_hat).sum(-1)[:, None, :, None, :] * s_q[..., None] / 2)
+    want = np.where(valid, tok.max(axis=(1, 2, 3)), -np.inf).reshape(B, n_pages, Pg).max(-1)
+    slack = np.where(valid, bound.max(axis=(1, 2, 3)), 0).reshape(B, n_pages, Pg).max(-1) + 1e-4
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), finite)
+    assert np.all(np.abs(got - want)[finite] <= slack[finite]), (seed, np.abs(got - want), slack)
+    assert np.abs(got - want)[finite].max() > 0  # the int8 path ran (float32 scores here match to ~1e-6)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    f32, i8 = (rj.CacheSpec.for_policies([pol], max_len=0, cold=rj.ColdStore(64, 4, "max", score_dtype=d), **DIMS)
+               for d in ("float32", "int8"))
+    extra = f32.bytes_by_part()["cold_store"] - i8.bytes_by_part()["cold_store"]
+    assert extra == f32.cold_slots * CFG.num_layers * CFG.num_kv_heads * (4 * CFG.head_dim - (CFG.head_dim + 4))
+    cache = rj.init_cache(i8)
+    assert cache.cold_k_glob.dtype == jnp.int8 and cache.cold_k_scale.shape == cache.cold_k_glob.shape[:-1]
+    assert rj.init_cache(f32).cold_k_scale.size == 0
+
+
 @pytest.mark.parametrize("C", [1, 2])  # 1 row: the query turns per page; 2: each key turns (recall.shortlist_scores)
 def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token(C):
     """page_score "shortlist" against numpy: the M pages of best mean key (ties to the newer page) are scored
@@ -276,6 +327,45 @@ def test_ties_go_to_the_more_recent_page():
     cold_pos = jnp.asarray([8, 9, 0, 1, 4, 5, 2, 3], jnp.int32)  # page 0 newest, then 2, 3, 1
     idx, _ = choose_pages(scores, cold_pos, jnp.int32(4), 4)
     assert np.asarray(idx[0]).tolist() == [0, 2, 3, 1]
+
+
+@pytest.mark.parametrize("max_pages", [1, 4, recall.PICK_PAGES_MAX, recall.PICK_PAGES_MAX + 1])
+def test_choose_pages_equals_a_stable_sort_on_score_then_recency(max_pages):
+    """choose_pages (picks one page at a time up to PICK_PAGES_MAX, one sort above) against numpy's stable sort on
+    (-score, -newest): scores drawn from a few values (ties), -inf and NaN pages, -0.0 beside +0.0 (equal), empty pages."""
+    seed = drawn_seed("choose_pages")
+    rng = np.random.default_rng(seed)
+    B, n_pages, Pg = 3, 40, 4
+    for trial in range(4):
+        scores = rng.choice(np.array([-np.inf, -1.5, -0.0, 0.0, 0.25, 2.0, np.nan], np.float32), size=(B, n_pages))
+        cold_pos = rng.permutation(n_pages * Pg).astype(np.int32)
+        cold_pos[rng.random(n_pages * Pg) < 0.3] = -1
+        cold_pos[:2 * Pg] = -1  # two empty pages: equal newest (-1), ties left to the index
+        newest = cold_pos.reshape(n_pages, Pg).max(1)
+        k = jnp.int32(max(max_pages - 1, 1))
+        idx, active = choose_pages(jnp.asarray(scores), jnp.asarray(cold_pos), k, max_pages)
+        for b in range(B):
+            # -0.0 and +0.0 are equal scores and NaN comes last, as in jax's sort
+            nan = np.isnan(scores[b])
+            want = sorted(range(n_pages), key=lambda p: (nan[p], 0.0 if nan[p] else -scores[b, p], -newest[p], p))
+            want = want[:max_pages]
+            assert np.asarray(idx[b]).tolist() == want, (seed, trial, b)
+            want_active = [(j < int(k)) and scores[b, p] > -np.inf for j, p in enumerate(want)]
+            assert np.asarray(active[b]).tolist() == want_active, (seed, trial, b)
+
+
+def test_order_index_counts_and_sorts_alike():
+    """order_index's two ways (counting below RANK_BY_COUNT_MAX entries, a stable sort above) against numpy's
+    stable argsort, masked entries last by index."""
+    seed = drawn_seed("order_index")
+    rng = np.random.default_rng(seed)
+    for n in (7, P.RANK_BY_COUNT_MAX, P.RANK_BY_COUNT_MAX + 1):
+        key = rng.integers(-5, 6, size=n).astype(np.int32)  # many ties
+        mask = rng.random(n) < 0.7
+        order = np.argsort(np.where(mask, key, np.iinfo(np.int32).max), kind="stable")
+        want = np.empty(n, np.int32)
+        want[order] = np.arange(n)
+        assert np.asarray(P.order_index(jnp.asarray(mask), jnp.asarray(key))).tolist() == want.tolist(), (seed, n)
 
 
 def test_one_compilation_per_spec_and_recall_settings_vmap():
@@ -467,16 +557,19 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
     assert all(len(r["ms_rounds"]) == 2 and r["ms_per_token"] > 0 for r in rows)
     assert rows[1]["device_cache_MiB"] == rows[0]["device_cache_MiB"]  # recall adds no device-cache slots
     B.write(res, tmp_path / "out")
-    assert "| 32 | 2 | max | 1 | every layer chooses |" in (tmp_path / "out" / "bench_recall.md").read_text()
-    # Each shared layer is an arm of its own, with its ColdStore (section 9's table; one rule, one round here).
-    shared = B.run(dataclasses.replace(cfg, cold_sizes=(32,), page_scores=("max",), share_froms=(0,), rounds=1),
-                   *_model(0), CFG, ByteTokenizer(CFG.vocab_size))
-    assert [(r["share_from"], r["reselect"]) for r in shared["rows"]] == [(0, 1)]
-    assert "| 32 | 2 | max | 1 | layer 0 |" in B.markdown(shared)
-    committed = json.loads((REPO / "docs/data/recall_tier/bench_share_4k.json").read_text())["config"]
+    assert "| 32 | 2 | max | float32 | 1 | every layer chooses |" in (tmp_path / "out" / "bench_recall.md").read_text()
+    # Each shared layer and scoring copy is an arm of its own, with its ColdStore (sections 9-10; one round here).
+    shared = B.run(dataclasses.replace(cfg, cold_sizes=(32,), page_scores=("max",), share_froms=(0,),
+                                       score_dtypes=("int8",), rounds=1), *_model(0), CFG, ByteTokenizer(CFG.vocab_size))
+    assert [(r["share_from"], r["reselect"], r["score_dtype"]) for r in shared["rows"]] == [(0, 1, "int8")]
+    assert "| 32 | 2 | max | int8 | 1 | layer 0 |" in B.markdown(shared)
+    assert rows[1]["cold_store_MiB"] < shared["rows"][0]["cold_store_MiB"] < rows[2]["cold_store_MiB"]
+    committed = json.loads((REPO / "docs/data/recall_tier/bench_int8.json").read_text())["config"]
     assert list(res["config"]) == list(committed) and res["config"]["max_survivors"] == 3  # the results' layout
+    share = json.loads((REPO / "docs/data/recall_tier/bench_share_4k.json").read_text())["config"]
+    assert set(share) == set(committed) - {"score_dtypes"}  # from before the int8 copy: float32 only
     older = json.loads((REPO / "docs/data/recall_tier/bench_full_4k.json").read_text())["config"]
-    assert set(older) == set(committed) - {"share_froms"}  # from before share_from: every layer chose
+    assert set(older) == set(share) - {"share_froms"}  # from before share_from: every layer chose
     with pytest.raises(B.ConfigError, match="page-scores"):
         B.BenchRecallConfig(str(text), (0, 32), page_size=4, page_scores=("best",))
     with pytest.raises(B.ConfigError, match="multiples of --page-size"):
@@ -686,7 +779,6 @@ def test_skipping_an_empty_store_and_scoring_its_fill_changes_no_bit(monkeypatch
     filled blocks scored while the ring fills) against every page scored at every step (score_block 0): the
     same logits bit for bit, step by step, through an empty store, a filling one and a wrapped ring, with
     several blocks (3 pages, the last one moved back) and with the default block (one block here)."""
-    from rsqr_jax import recall
 
     T = 96
     tokens = np.random.default_rng(drawn_seed(f"skip-{rule}")).integers(0, CFG.vocab_size, size=(1, T))
@@ -712,7 +804,6 @@ def test_skipping_recall_under_vmap_changes_no_bit(monkeypatch):
     sweep of policies that recall and do not (recall_pages 0 skips at every step) gives what every page scored
     at every step gives (to float32 rounding, under one compilation), and streams of different lengths (one
     still empty while another fills) the same tokens."""
-    from rsqr_jax import recall
     from rsqr_jax.streams import Request, StreamScheduler
 
     T = 60

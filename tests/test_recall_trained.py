@@ -58,6 +58,8 @@ def test_bounded_cache_without_recall_is_near_chance():
 def test_recall_brings_the_evicted_facts_back(full_acc):
     one = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=4), rj.ColdStore(64, 1))
     assert one >= 0.85 and one >= full_acc - 0.05
+    int8 = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=4), rj.ColdStore(64, 1, score_dtype="int8"))
+    assert int8 >= 0.85 and int8 >= one - 0.03  # the int8 scoring copy finds the same facts
     pages_of_two = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=2), rj.ColdStore(64, 2))
     assert pages_of_two >= 0.65
     assert accuracy(rj.streamingllm(8, 2, recall_pages=4), rj.ColdStore(64, 1)) >= 0.85

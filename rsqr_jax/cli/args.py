@@ -118,6 +118,10 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
                    help="layers after LAYER attend the pages LAYER chose instead of scoring the store themselves "
                    "(the store is scored in LAYER + 1 layers, not all); none: every layer chooses (the default, "
                    "except decode.py on the embedded model: 14)")
+    g.add_argument("--score-dtype", default=None,
+                   help="the max rule's scoring copy of the cold keys: float32 (exact scores; the default, except "
+                   "decode.py on the embedded model: int8) or int8 (a code per value and a scale per key, scored by "
+                   "an int32 dot: a quarter of the bytes; docs/recall_tier.md section 10)")
     g.add_argument("--placement", default=None,
                    help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
                    "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
@@ -159,11 +163,13 @@ def resolve_recall_default(args) -> None:
 
     if getattr(args, "recall_pages", 0) is None:
         args.recall_pages = default_recall_pages(args.policy)
-    reselect, share = recall_choice_defaults(embedded=getattr(args, "model", None) is None)
+    reselect, share, score_dtype = recall_choice_defaults(embedded=getattr(args, "model", None) is None)
     if getattr(args, "reselect", 0) is None:
         args.reselect = reselect
     if getattr(args, "share_choice_from", 0) is None:
         args.share_choice_from = share
+    if getattr(args, "score_dtype", 0) is None:
+        args.score_dtype = score_dtype
 
 
 def policy_from_args(args, **fields):
@@ -190,6 +196,8 @@ def cold_store_flags(args):
             rule["reselect"] = args.reselect
         if getattr(args, "share_choice_from", None) is not None and args.share_choice_from >= 0:
             rule["share_from"] = args.share_choice_from
+        if getattr(args, "score_dtype", None) is not None:
+            rule["score_dtype"] = args.score_dtype
         return ColdStore(args.cold_capacity, args.page_size, neighbors=args.recall_neighbors, **rule)
     except ValueError as e:
         raise UsageError(f"recall flags: {e}") from None

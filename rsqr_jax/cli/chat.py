@@ -89,11 +89,14 @@ DEFAULT_RECALL_PAGES = 4
 # library's defaults): the layer is the embedded model's.
 DEFAULT_RESELECT = 4
 DEFAULT_SHARE_FROM = 14
+# And the int8 scoring copy: the same facts on the probe, a quarter of the copy's bytes (docs/recall_tier.md §10).
+DEFAULT_SCORE_DTYPE = "int8"
 
 
-def recall_choice_defaults(embedded: bool) -> tuple[int, int | None]:
-    """(reselect, share_from) decode.py uses when --reselect / --share-choice-from are not given."""
-    return (DEFAULT_RESELECT, DEFAULT_SHARE_FROM) if embedded else (1, None)
+def recall_choice_defaults(embedded: bool) -> tuple[int, int | None, str]:
+    """(reselect, share_from, score_dtype) decode.py uses when --reselect / --share-choice-from / --score-dtype
+    are not given."""
+    return (DEFAULT_RESELECT, DEFAULT_SHARE_FROM, DEFAULT_SCORE_DTYPE) if embedded else (1, None, "float32")
 
 
 def default_recall_pages(policy: str) -> int:
@@ -321,7 +324,8 @@ def saved_settings(header: dict) -> dict:
             "weights_dtype": header["identity"].get("dtype", cache_dtype_),
             **({"cold_capacity": cold.capacity, "page_size": cold.page_size, "page_score": cold.page_score,
                 "recall_neighbors": cold.neighbors, "placement": cold.placement,
-                "reselect": cold.reselect, "share_choice_from": SHARE_NONE if cold.share_from is None else cold.share_from}
+                "reselect": cold.reselect, "share_choice_from": SHARE_NONE if cold.share_from is None else cold.share_from,
+                "score_dtype": cold.score_dtype}
                if (cold := CacheSpec.from_json(header["spec"]).cold) else {}),
             **_saved_pins(header),
             "chat": bool(header["extra"].get("chat", False))}

@@ -46,6 +46,7 @@ def build_parser() -> Parser:
     p.add_argument("--share-choice-from", type=int, default=None, metavar="LAYER",
                    help="rsqr+recall: layers after LAYER attend the pages LAYER chose (default: every layer chooses)")
     p.add_argument("--reselect", type=int, default=1, help="rsqr+recall: choose pages afresh every k decode steps")
+    p.add_argument("--score-dtype", default="float32", help="rsqr+recall: the max rule's scoring copy, float32 or int8")
     p.add_argument("--max-gen-toks", type=int, default=None, help="cap every task's answer length (default: "
                                                                   "each task's own)")
     p.add_argument("--seed", type=int, default=0)
@@ -74,7 +75,7 @@ def spec_from(args):
               seq_len=args.seq_len, limits=_ints(args.limits or "10,20,30", "--limits"), window=args.window, sinks=args.sinks,
               recall_pages=args.recall_pages, page_size=args.page_size, cold_capacity=args.cold_capacity,
               chunk=args.chunk, max_gen_toks=args.max_gen_toks, seed=args.seed, share_from=args.share_choice_from,
-              reselect=args.reselect,
+              reselect=args.reselect, score_dtype=args.score_dtype,
               model=os.path.abspath(args.model) if args.model else "embedded", start=args.start,
               answer=None if args.answer is None else tuple(t.strip() for t in args.answer.split(",") if t.strip()))
     if args.quick:  # the smoke's sizes

@@ -57,6 +57,7 @@ def model_args_from(args) -> dict:
          **({"placement": args.placement} if args.placement else {}),
          **({"reselect": args.reselect} if args.reselect is not None else {}),
          **({"share_from": args.share_choice_from} if args.share_choice_from is not None else {}),
+         **({"score_dtype": args.score_dtype} if args.score_dtype is not None else {}),
          "model": args.model, "dtype": args.dtype, "kernel": args.kernel, "weight_format": args.weight_format,
          "chunk": args.chunk, "max_length": args.max_length, "seed": args.seed, "batch_size": args.batch_size}
     try:

@@ -37,6 +37,7 @@ MODEL_ARGS = {
     "max_survivors": DEFAULTS["max_survivors"], "block": DEFAULTS["block"], "overflow": DEFAULTS["overflow"],
     "recall_pages": DEFAULTS["recall_pages"], "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
     "placement": DEFAULT_PLACEMENT, "reselect": 1, "share_from": -1,  # -1: every layer chooses its pages
+    "score_dtype": "float32",
     "model": None, "dtype": "float32", "kernel": "auto", "weight_format": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }
@@ -133,7 +134,8 @@ class RsqrLM(TemplateLM):
             try:
                 store = ColdStore(a["cold_capacity"], a["page_size"], a["page_score"], a["recall_neighbors"],
                                   placement=a["placement"], reselect=a["reselect"],
-                                  share_from=None if a["share_from"] == -1 else a["share_from"])
+                                  share_from=None if a["share_from"] == -1 else a["share_from"],
+                                  score_dtype=a["score_dtype"])
             except ValueError as e:
                 raise ConfigError(f"recall model arguments: {e}") from None
             cold = {"cold": store, "max_recall_pages": a["recall_pages"]}

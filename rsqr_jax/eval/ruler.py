@@ -61,6 +61,7 @@ class RulerSpec:
     chunk: int = 32
     share_from: int | None = None  # rsqr+recall: layers after this one attend its page choice (ColdStore.share_from)
     reselect: int = 1  # rsqr+recall: pages chosen afresh every k decode steps (ColdStore.reselect)
+    score_dtype: str = "float32"  # rsqr+recall: the max rule's scoring copy (ColdStore.score_dtype)
     max_gen_toks: int | None = None  # None: each task's own (niah 128, vt 30, fwe 50, cwe 120)
     seed: int = 0
     model: str = "embedded"  # a name for the cache key and the report (the caller loads the model)
@@ -104,6 +105,10 @@ class RulerSpec:
         if self.reselect < 1 or (self.share_from is not None and self.share_from < 0):
             raise ConfigError(f"reselect must be >= 1 and share_from a layer >= 0, got {self.reselect} and "
                               f"{self.share_from}")
+        from rsqr_jax.spec import SCORE_DTYPES
+
+        if self.score_dtype not in SCORE_DTYPES:
+            raise ConfigError(f"score_dtype must be one of {', '.join(SCORE_DTYPES)}, got {self.score_dtype!r}")
         if self.max_gen_toks is not None and self.max_gen_toks < 1:
             raise ConfigError(f"max_gen_toks must be >= 1, got {self.max_gen_toks}")
 
@@ -119,6 +124,8 @@ class RulerSpec:
                 a["share_from"] = self.share_from
             if self.reselect != 1:
                 a["reselect"] = self.reselect
+            if self.score_dtype != "float32":
+                a["score_dtype"] = self.score_dtype
         return a
 
     def describe(self, policy: str) -> str:
@@ -127,7 +134,8 @@ class RulerSpec:
             return "full"
         s = f"{a['policy']}(W={self.window}, N={self.sinks})"
         shared = (f", shared from layer {self.share_from}" if self.share_from is not None else "") + \
-            (f", chosen every {self.reselect} steps" if self.reselect != 1 else "")
+            (f", chosen every {self.reselect} steps" if self.reselect != 1 else "") + \
+            (f", {self.score_dtype} scoring copy" if self.score_dtype != "float32" else "")
         return s + (f" + recall {self.recall_pages}x{self.page_size} of {self.cold_capacity}{shared}"
                     if policy == "rsqr+recall" else "")
 
@@ -275,7 +283,7 @@ def report(spec: RulerSpec, tasks: dict, cache_dir: str, limit: int | None = Non
 
 # What must agree for two reports' cells to be the same cells (the samples then agree too: checked).
 _SAME_CELLS = ("seq_len", "window", "sinks", "recall_pages", "page_size", "cold_capacity", "chunk", "max_gen_toks",
-               "seed", "model", "share_from", "reselect")
+               "seed", "model", "share_from", "reselect", "score_dtype")
 
 
 def merge_reports(earlier: dict, result: dict) -> dict:

@@ -38,6 +38,7 @@ class BenchRecallConfig:
     page_scores: tuple[str, ...] = (DEFAULT_PAGE_SCORE,)  # every recalling size runs under each rule (spec.PAGE_SCORES)
     reselects: tuple[int, ...] = (1,)  # and under each ColdStore.reselect (pages chosen afresh every k steps)
     share_froms: tuple[int | None, ...] = (None,)  # and each ColdStore.share_from (None: every layer chooses)
+    score_dtypes: tuple[str, ...] = ("float32",)  # and each ColdStore.score_dtype (the "max" rule's scoring copy)
     fill: bool = False  # feed each size's prompt once with recall off; every arm starts from that state
 
     def __post_init__(self):
@@ -55,6 +56,10 @@ class BenchRecallConfig:
             raise ConfigError(f"--reselect must be a list of integers >= 1, got {self.reselects}")
         if not self.share_froms or any(r is not None and r < 0 for r in self.share_froms):
             raise ConfigError(f"--share-choice-from must be a list of layers >= 0 or 'none', got {self.share_froms}")
+        from rsqr_jax.spec import SCORE_DTYPES
+
+        if not self.score_dtypes or any(d not in SCORE_DTYPES for d in self.score_dtypes):
+            raise ConfigError(f"--score-dtypes must be a list of {', '.join(SCORE_DTYPES)}, got {self.score_dtypes}")
         base_policy.check(self.policy)
 
 
@@ -92,14 +97,16 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
 
     prompts = {n: read_tokens(tokenizer, cfg.text, n) for n in cfg.prompt_tokens}
     chunk = min(64, int(cfg.policy.window))
-    sessions = {}  # (cold size, page rule or None, reselect, share_from, prompt length) -> (session, bytes by part)
+    sessions = {}  # (cold size, page rule or None, reselect, share_from, score dtype, prompt length) -> (session, ...)
     filled = {}  # (cold size, prompt length) -> the Session fed with recall off (fill)
     for size in sorted(cfg.cold_sizes, reverse=cfg.fill):  # fill: plain rsqr takes a filled state
-        for rule, every, share in ([(r, e, sh) for r in cfg.page_scores for e in cfg.reselects for sh in cfg.share_froms]
-                                   if size else [(None, 1, None)]):
+        for rule, every, share, sd in ([(r, e, sh, d) for r in cfg.page_scores for e in cfg.reselects
+                                        for sh in cfg.share_froms for d in cfg.score_dtypes]
+                                       if size else [(None, 1, None, "float32")]):
             k = cfg.recall_pages if size else 0
             pol = cfg.policy.replace(mode="rsqr", recall_pages=k)
-            cold = ColdStore(size, cfg.page_size, rule, reselect=every, share_from=share) if size else None
+            cold = (ColdStore(size, cfg.page_size, rule, reselect=every, share_from=share, score_dtype=sd)
+                    if size else None)
             spec = CacheSpec.for_policies(pol, cold=cold, dims=model_config, max_chunk=chunk)
             for n, prompt in prompts.items():  # sessions of one spec share its compilation
                 s = Session(apply_fn, params, spec, pol, prefill_chunk=chunk)
@@ -116,8 +123,8 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
                                f"{time.perf_counter() - t0:.0f}s")
                         filled[size, n] = src
                     _adopt(s, src)
-                sessions[size, rule, every, share, n] = (s, spec.bytes_by_part(pol), _recallable(s))
-            status(f"bench_recall: cold {size} ({rule or 'no recall'}, reselect {every}, share from {share}): compiled in "
+                sessions[size, rule, every, share, sd, n] = (s, spec.bytes_by_part(pol), _recallable(s))
+            status(f"bench_recall: cold {size} ({rule or 'no recall'}, reselect {every}, share from {share}, {sd}): compiled in "
                    f"{s.compile_s:.1f}s")
     filled.clear()
     times = {key: [] for key in sessions}
@@ -128,25 +135,26 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
             times[key].append((time.perf_counter() - t0) / cfg.new_tokens)
         status(f"bench_recall: round {r + 1}/{cfg.rounds}")
     first = next((key for key in sessions if key[0] == 0), next(iter(sessions)))  # plain rsqr, when it ran
-    base = {n: float(np.median(times[first[:4] + (n,)])) for n in cfg.prompt_tokens}
+    base = {n: float(np.median(times[first[:5] + (n,)])) for n in cfg.prompt_tokens}
     rows = []
-    for (size, rule, every, share, n), (s, parts, before) in sorted(sessions.items(), key=lambda kv: kv[0][0]):
-        ms = 1000 * float(np.median(times[size, rule, every, share, n]))
+    for (size, rule, every, share, sd, n), (s, parts, before) in sorted(sessions.items(), key=lambda kv: kv[0][0]):
+        ms = 1000 * float(np.median(times[size, rule, every, share, sd, n]))
         rows.append({"cold_capacity": size, "page_score": rule, "recall_pages": cfg.recall_pages if size else 0,
-                     "reselect": every, "share_from": share, "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
-                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, every, share, n]],
+                     "reselect": every, "share_from": share, "score_dtype": sd, "prompt_tokens": n, "recallable": [before, _recallable(s)] if size else [0, 0],
+                     "ms_per_token": ms, "ms_rounds": [1000 * t for t in times[size, rule, every, share, sd, n]],
                      "ratio": ms / (1000 * base[n]), "cold_store_MiB": parts["cold_store"] / 2**20,
                      "device_cache_MiB": (parts["total"] - parts["cold_store"]) / 2**20})
     return {"config": base_policy.config_json(cfg, ("window", "n_sink", "delta", "max_survivors")), "rows": rows}
 
 
 def markdown(result: dict) -> str:
-    out = ["| cold store (tokens) | recall pages | page score | reselect | choice shared from | prompt | "
+    out = ["| cold store (tokens) | recall pages | page score | scoring copy | reselect | choice shared from | prompt | "
            "recallable (start-end) | ms/token (median) | ratio to the first row's prompt | cold store MiB | "
-           "window + survivors MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "window + survivors MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         a, b = r["recallable"]
         out.append(f"| {r['cold_capacity']} | {r['recall_pages']} | {r.get('page_score') or '-'} | "
+                   f"{r.get('score_dtype', 'float32') if r.get('page_score') == 'max' else '-'} | "
                    f"{r.get('reselect', 1) if r['recall_pages'] else '-'} | "
                    f"{_shared(r) if r['recall_pages'] else '-'} | "
                    f"{r['prompt_tokens']} | {a}-{b} | {r['ms_per_token']:.1f} | {r['ratio']:.2f} | "
