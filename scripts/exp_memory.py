@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     M.check_history(history)  # before the model loads
     cfg = M.MemoryConfig(arms=tuple(a for a in args.arms.split(",") if a), seeds=2 if args.quick else args.seeds,
                          first_seed=args.first_seed, max_new_tokens=48 if args.quick else args.max_new_tokens,
-                         sampling=sampling, history=history)
+                         sampling=sampling, history=history,
+                         **dict(zip(("reselect", "share_from", "score_dtype"),
+                                    M.chat.recall_choice_defaults(embedded=args.model is None))))
     loaded, apply_fn, params = load_model_from_args(args)
     result = M.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:

@@ -45,6 +45,10 @@ class MemoryConfig:
     prefill_chunk: int = 64
     sampling: tuple[tuple[str, float], ...] = ()
     history: tuple[str, ...] = ()  # recorded replies to every turn but the question (then only the answer is sampled)
+    # The recall arm's page choice: decode.py's on the embedded model (chat.recall_choice_defaults).
+    reselect: int = chat.DEFAULT_RESELECT
+    share_from: int | None = chat.DEFAULT_SHARE_FROM
+    score_dtype: str = chat.DEFAULT_SCORE_DTYPE
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -100,7 +104,8 @@ def run_arm(arm: str, config: MemoryConfig, apply_fn, params, model_config, toke
     check_history(config.history, demo)
     policy = policy_of(arm, config)
     recall = ARMS[arm][1]
-    cold = {"cold": ColdStore(config.cold_capacity, config.page_size)} if recall else {}
+    cold = {"cold": ColdStore(config.cold_capacity, config.page_size, reselect=config.reselect,
+                              share_from=config.share_from, score_dtype=config.score_dtype)} if recall else {}
     n = config.seeds
     max_len = chat.full_max_len(tokenizer, demo.turns, config.max_new_tokens, demo.system)
     if config.history:
