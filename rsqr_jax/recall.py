@@ -210,8 +210,8 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, 
 
 
 # Up to this many pages, choose_pages picks them one at a time (a few passes over the scores each); more go through
-# one sort. Both give the same pages in the same order; on XLA:CPU a sort of a 64k-token store's 4096 pages cost
-# more per layer than scoring them (docs/recall_tier.md section 10).
+# one sort. Both give the same pages in the same order; on XLA:CPU the sort of a 64k-token store's 4096 pages was
+# a sizeable part of each layer's choice (docs/recall_tier.md section 10).
 PICK_PAGES_MAX = 16
 
 

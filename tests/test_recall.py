@@ -564,7 +564,7 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
     assert [(r["share_from"], r["reselect"], r["score_dtype"]) for r in shared["rows"]] == [(0, 1, "int8")]
     assert "| 32 | 2 | max | int8 | 1 | layer 0 |" in B.markdown(shared)
     assert rows[1]["cold_store_MiB"] < shared["rows"][0]["cold_store_MiB"] < rows[2]["cold_store_MiB"]
-    committed = json.loads((REPO / "docs/data/recall_tier/bench_int8.json").read_text())["config"]
+    committed = json.loads((REPO / "docs/data/recall_tier/bench_int8_4k.json").read_text())["config"]
     assert list(res["config"]) == list(committed) and res["config"]["max_survivors"] == 3  # the results' layout
     share = json.loads((REPO / "docs/data/recall_tier/bench_share_4k.json").read_text())["config"]
     assert set(share) == set(committed) - {"score_dtypes"}  # from before the int8 copy: float32 only
