@@ -29,8 +29,8 @@ SHORTLIST_PER_PAGE = 16
 # ~1.3x the per-token time of "mean" with the default 4096-token store (more for larger stores).
 DEFAULT_PAGE_SCORE = "max"
 # How the "max" rule's scoring copy stores a key: "float32" (exact scores), or "int8" (codes and a float32 scale per
-# key and KV head, scored against the query quantized the same way, an int32 dot: a quarter of the bytes to read,
-# and the scoring is memory-bound; docs/recall_tier.md section 10).
+# key and KV head, scored against the query quantized the same way by an int32 dot: the same facts on the probe and
+# a quarter of the copy's bytes, though decoding is no faster on XLA:CPU; docs/recall_tier.md section 10).
 SCORE_DTYPES = ("float32", "int8")
 # Where recalled tokens sit on the query's timeline (docs/design.md §3b). Recalled keys are raw, so each is
 # rotated once from raw whatever the placement. "rank": at their rank among sinks, pins and survivors in the
@@ -56,9 +56,10 @@ class ColdStore:
     chooses its own pages; a policy-layer index r: layers 0..r choose their own and every later layer attends
     the pages layer r chose in the same step, so the store is scored in r + 1 layers instead of all: the
     measured reason is that a few middle layers find the fact's page far more often than the rest,
-    docs/recall_tier.md) and score_dtype (SCORE_DTYPES: the "max" rule's scoring copy in float32 or int8). The placement is static, a compilation of its own: "rank"
-    extends the raw segment and the others the window segment, so a dynamic choice would carry both in every
-    step. Validated here, once; ValueError on impossible values."""
+    docs/recall_tier.md) and score_dtype (SCORE_DTYPES: the "max" rule's scoring copy in float32 or int8). The
+    placement is static, a compilation of its own: "rank" extends the raw segment and the others the window
+    segment, so a dynamic choice would carry both in every step. Validated here, once; ValueError on impossible
+    values."""
 
     capacity: int = 4096
     page_size: int = 16
