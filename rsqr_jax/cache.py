@@ -17,8 +17,8 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
   (the page summary that recall scores), cold_lo / cold_hi their per-channel minimum and maximum (only
   for the page rule "quest"), cold_k_glob [L, B, Hkv, Nc or 0, D] float32 every cold key rotated at
-  its global position (only for page_score "max": scoring, never attended; int8 codes with ColdStore.score_dtype
-  "int8", and cold_k_scale [L, B, Hkv, Nc or 0] float32 each key's scale), cold_pos each slot's global
+  its global position (only for page_score "max": scoring, never attended; with ColdStore.score_dtype "int8"
+  int32 [.., D/4 + 1], each key's int8 codes four to a word, then its float32 scale's bits), cold_pos each slot's global
   position (-1 = empty). A token is
   recallable once it has left the window; the window itself is never read from here.
 * cold_choice / cold_choice_on [L, B, M or 0], cold_step [1 or 0]: with ColdStore.reselect > 1 (or share_from),
@@ -88,7 +88,6 @@ class KVCache:
     cold_lo: jax.Array
     cold_hi: jax.Array
     cold_k_glob: jax.Array
-    cold_k_scale: jax.Array
     cold_pos: jax.Array
     cold_choice: jax.Array
     cold_choice_on: jax.Array
@@ -131,8 +130,8 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         cold_sum=jnp.zeros((L, B, H, spec.cold_pages, D), jnp.float32), cold_pos=neg(Nc),
         cold_lo=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_hi=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
-        cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, D), jnp.dtype(spec.scoring_copy_dtype)),
-        cold_k_scale=jnp.zeros((L, B, H, Nc if spec.scoring_copy_dtype == "int8" else 0), jnp.float32),
+        cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, spec.scoring_copy_row[1]),
+                              jnp.dtype(spec.scoring_copy_row[0])),
         cold_choice=jnp.zeros((L, B, spec.recall_pages_gathered if spec.reselects else 0), jnp.int32),
         cold_choice_on=jnp.zeros((L, B, spec.recall_pages_gathered if spec.reselects else 0), bool),
         cold_step=jnp.zeros((1 if spec.reselects else 0,), jnp.int32),
@@ -146,7 +145,7 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
 
 
 # The cold store's fields by the axis that counts its ring slots, or its pages (one page = page_size slots).
-COLD_SLOT_AXES = {"cold_k": 3, "cold_v": 3, "cold_k_glob": 3, "cold_k_scale": 3, "cold_pos": 0}
+COLD_SLOT_AXES = {"cold_k": 3, "cold_v": 3, "cold_k_glob": 3, "cold_pos": 0}
 COLD_PAGE_AXES = {"cold_sum": 3, "cold_lo": 3, "cold_hi": 3}
 
 

@@ -24,10 +24,19 @@ if TYPE_CHECKING:
     from rsqr_jax.update import StepPlan
 
 
-# Pages scored per block while the store fills (recalled_tokens): a layer scores only the blocks that hold a
+# Most pages scored per block while the store fills (recalled_tokens): a layer scores only the blocks that hold a
 # recallable token, under a loop whose trip count is their number; 0 = score every page at every step. Each trip
-# costs a fixed overhead on XLA:CPU, so blocks are large: 256 pages, a default store's whole ring.
-SCORE_BLOCK_PAGES = 256
+# costs a fixed overhead on XLA:CPU, so blocks are large; the store is cut into equal blocks of at most this many
+# pages (`score_block_pages`): a default store (4096 tokens and the window's, 277 pages) is one block.
+SCORE_BLOCK_PAGES = 320
+
+
+def score_block_pages(n_pages: int, most: int) -> int:
+    """Pages per block when a store of n_pages is scored in blocks of at most `most` pages: the fewest blocks, all of
+    one size (the last one moved back to end at the last page rescores as few pages as can be), at least 2 pages (a
+    dot over a single page lowers differently on XLA:CPU: the mean rule's scores moved by an ulp)."""
+    n_blocks = -(-n_pages // max(most, 1))
+    return min(max(-(-n_pages // n_blocks), 2), n_pages)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -117,8 +126,8 @@ def _scores(q_BxCxHkvxGxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, valid_Nc, q_real_C,
 
 def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                      hi_BxHkvxNpxD=None, gather_glob=None) -> jax.Array:
-    """page_scores computed only over the first recall.live_pages pages: blocks of
-    recall.score_block pages under a loop whose trip count is the number of blocks that hold anything
+    """page_scores computed only over the first recall.live_pages pages: equal blocks of at most
+    recall.score_block pages (score_block_pages) under a loop whose trip count is the number of blocks that hold anything
     (the last block is moved back to end at the last page; pages it scores twice get the same score), every
     other page -inf: the same scores bit for bit (each page's score depends on that page alone; checked on
     XLA:CPU, tests/test_recall.py). gather_glob(slots_BxR) -> [B, Hkv, R, D]: the "max" rule's scoring copy at those
@@ -126,8 +135,7 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
     B = q_BxCxHqxD.shape[0]
     Hkv, n_pages = cold_sum_BxHkvxNpxD.shape[1], cold_sum_BxHkvxNpxD.shape[2]
     Pg = cold_pos_Nc.shape[0] // n_pages
-    # At least two pages: XLA lowers a dot with a single page differently (the mean rule's scores moved by an ulp).
-    M = min(max(recall.score_block, 2), n_pages)
+    M = score_block_pages(n_pages, recall.score_block)
     q_BxCxHkvxGxD = _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv, recall, inv_freq)
     quest = lo_BxHkvxNpxD is not None
 
@@ -147,6 +155,29 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
     return jax.lax.fori_loop(0, n_blocks, block, jnp.full((B, n_pages), -jnp.inf, jnp.float32))
 
 
+def pack_int8_keys(x_f32: jax.Array) -> jax.Array:
+    """The int8 scoring copy's rows of keys [..., D]: int32 [..., D / 4 + 1], the codes (quantize_int8) four to a
+    word, then the scale's bits. One row is read as one run of 17 words: XLA:CPU gathers element by element, so
+    64 codes and a scale read apart took about twice as long (a scoring layer of the default store)."""
+    codes, scale = quantize_int8(x_f32)
+    words = jax.lax.bitcast_convert_type(codes.reshape(codes.shape[:-1] + (-1, 4)), jnp.int32)
+    return jnp.concatenate([words, jax.lax.bitcast_convert_type(scale, jnp.int32)[..., None]], axis=-1)
+
+
+def unpack_int8_keys(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(codes int8 [..., D], scale float32 [...]) of pack_int8_keys' rows."""
+    codes = jax.lax.bitcast_convert_type(words[..., :-1], jnp.int8)
+    return codes.reshape(codes.shape[:-2] + (-1,)), jax.lax.bitcast_convert_type(words[..., -1], jnp.float32)
+
+
+def _row_bytes(words: jax.Array) -> jax.Array:
+    """pack_int8_keys' rows as they lie in memory, int8 [..., D + 4]: the codes, then the scale's 4 bytes (a view:
+    dotted against a query padded with 4 zero codes, the scale's bytes add nothing, and no copy of the codes
+    without them is made)."""
+    row = jax.lax.bitcast_convert_type(words, jnp.int8)
+    return row.reshape(row.shape[:-2] + (-1,))
+
+
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Symmetric int8 codes of each vector along the last axis and its float32 scale (max |x| / 127; an all-zero
     vector gets scale 0 and codes 0): x ~ codes * scale, each value within scale / 2."""
@@ -157,12 +188,13 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _best_token(q_BxCxHkvxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax.Array:
     """max over each run of Pg keys (a page) of q . k, over real rows and all heads; [B, N / Pg] (-inf for a
-    page with no valid key). Keys in float32, or (codes int8, scales [B, Hkv, N]) as quantize_int8 made them:
-    then the query is quantized the same way and q . k is the int32 dot of the codes times both scales."""
-    if isinstance(k_BxHkvxNxD, tuple):
-        k_codes, k_scale = k_BxHkvxNxD
+    page with no valid key). Keys in float32, or int32 rows as pack_int8_keys made them: then the query is quantized
+    the same way and q . k is the int32 dot of the codes times both scales."""
+    if k_BxHkvxNxD.dtype == jnp.int32:  # pack_int8_keys' rows
         q_codes, q_scale = quantize_int8(q_BxCxHkvxGxD)
-        dot = jnp.einsum("bckgd,bknd->bckgn", q_codes, k_codes, preferred_element_type=jnp.int32)
+        q_codes = jnp.pad(q_codes, [(0, 0)] * 4 + [(0, 4)])
+        k_scale = jax.lax.bitcast_convert_type(k_BxHkvxNxD[..., -1], jnp.float32)
+        dot = jnp.einsum("bckgd,bknd->bckgn", q_codes, _row_bytes(k_BxHkvxNxD), preferred_element_type=jnp.int32)
         s = dot.astype(jnp.float32) * q_scale[..., None] * k_scale[:, None, :, None, :]
     else:
         s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxHkvxGxD, k_BxHkvxNxD, precision=jax.lax.Precision.HIGHEST)
@@ -329,14 +361,26 @@ def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_s
     """The raw segment with the recalled tokens added: sinks + survivors + recalled, ordered by global
     position; in the raw-survivor modes each key is rotated at its rank and the survivor-segment query sits
     right after them (DESIGN section 3b). Returns (k, v, rot_pos, valid, q_pos_surv)."""
-    B = rec_gpos_BxR.shape[0]
     k, v = jnp.concatenate([surv_k, rec_k], axis=2), jnp.concatenate([surv_v, rec_v], axis=2)
-    gpos = jnp.concatenate([jnp.broadcast_to(recall.surv_gpos_S, (B,) + recall.surv_gpos_S.shape), rec_gpos_BxR], 1)
     valid = jnp.concatenate([surv_valid_BxS, rec_valid_BxR], axis=1)
-    rank = jax.vmap(order_index)(valid, gpos)
+    rank = jnp.concatenate(_union_ranks(recall.surv_gpos_S, surv_valid_BxS, surv_rot_pos_BxS, rec_gpos_BxR,
+                                        rec_valid_BxR), axis=1)
     rot_pos = jnp.where(recall.in_kernel & valid, rank, jnp.pad(surv_rot_pos_BxS, ((0, 0), (0, rec_gpos_BxR.shape[1]))))
     q_pos_surv = q_pos_surv_BxC + jnp.sum(rec_valid_BxR, axis=1, dtype=jnp.int32)[:, None]
     return k, v, rot_pos, valid, q_pos_surv
+
+
+def _union_ranks(surv_gpos_S, surv_valid_BxS, surv_rank_BxS, rec_gpos_BxR, rec_valid_BxR):
+    """Ranks by global position among the valid survivors and recalled tokens together, survivors first on a tie
+    (order_index of the two concatenated; tests/test_recall.py), for the valid entries ([B, S], [B, R]; others
+    arbitrary). A survivor's rank among the survivors (surv_rank_BxS, the plan's) moves up by the recalled tokens
+    before it, so only survivor-against-recalled and recalled-against-recalled pairs are compared: S R + R^2
+    comparisons instead of (S + R)^2."""
+    rec_first_BxSxR = rec_gpos_BxR[:, None, :] < surv_gpos_S[None, :, None]
+    surv_rank = surv_rank_BxS + jnp.sum(rec_first_BxSxR & rec_valid_BxR[:, None, :], axis=2, dtype=jnp.int32)
+    rec_rank = (jnp.sum(~rec_first_BxSxR & surv_valid_BxS[:, :, None], axis=1, dtype=jnp.int32)
+                + jax.vmap(order_index)(rec_valid_BxR, rec_gpos_BxR))
+    return surv_rank, rec_rank
 
 
 def extend_window_segment(win_k, win_v, win_pos_BxW, recall: Recall, rec_k, rec_v, rec_gpos_BxR, rec_valid_BxR,
@@ -365,8 +409,8 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
 
     Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
     of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
-    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise; with the int8 copy, its codes and [B, Hkv, R]
-    scales). Every write is a scatter at the chunk's
+    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise; with the int8 copy, its rows of words, [B, Hkv,
+    R, D / 4 + 1]). Every write is a scatter at the chunk's
     slots and pages into the [L, ...] buffer, in place; every read a gather from it (never a slice of the
     layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
     5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
@@ -401,12 +445,9 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
         # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
         # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the
         # docstring).
-        if cache.cold_k_glob.dtype == jnp.int8:  # ColdStore.score_dtype: codes and a scale per key
-            codes, scale = quantize_int8(rot_BxHxCxD)
-            k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(codes, 2, 0))
-            k_scale = out["cold_k_scale"] = cache.cold_k_scale.at[at].set(jnp.moveaxis(scale, 2, 0), mode="drop")
-            glob = lambda slots_BxR: (gather_layer_slots(k_glob, layer, slots_BxR),  # noqa: E731
-                                      gather_layer_slots(k_scale[..., None], layer, slots_BxR)[..., 0])
+        if cache.cold_k_glob.dtype == jnp.int32:  # ColdStore.score_dtype "int8": codes and scale in one row
+            k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(pack_int8_keys(rot_BxHxCxD), 2, 0))
+            glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
         else:
             k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
             glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731

@@ -306,6 +306,14 @@ class Session:
             raise SessionFileError(f"{name} has policy {saved_policy.name}, expected {policy.name}")
         expected = jax.eval_shape(lambda: init_cache(saved_spec))
         cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}
+        scale = arrays.pop("cache.cold_k_scale", None)  # a file from when the int8 copy kept its scales apart
+        if scale is not None and scale.size:
+            codes = arrays.get("cache.cold_k_glob")
+            if (codes is None or codes.dtype != np.int8 or scale.dtype != np.float32 or codes.shape[:-1] != scale.shape
+                    or codes.shape[-1] % 4):
+                raise SessionFileError(f"{name} holds an invalid int8 scoring copy")
+            words = np.ascontiguousarray(codes).reshape(codes.shape[:-1] + (-1, 4)).view(np.int32)[..., 0]
+            arrays["cache.cold_k_glob"] = np.concatenate([words, scale.view(np.int32)[..., None]], axis=-1)
         saved = header.get("cold_slots_saved")  # absent: a file from before the cold store was cut
         if saved is not None and saved != saved_spec.cold_slots:
             page = saved_spec.cold.page_size if saved_spec.cold else 1

@@ -155,6 +155,9 @@ class CacheSpec:
         if self.cold is not None and self.cold.share_from is not None and self.cold.share_from >= self.num_layers:
             raise ValueError(f"share_from {self.cold.share_from} is not one of the {self.num_layers} layers that "
                              f"recall")
+        if self.cold is not None and self.cold.score_dtype == "int8" and self.head_dim % 4:
+            raise ValueError(f"the int8 scoring copy packs four codes to a word: head_dim {self.head_dim} is not a "
+                             f"multiple of 4 (use score_dtype float32)")
         if self.cold is not None and self.cold.neighbors and not self.max_recall_pages:
             raise ValueError("recall neighbors > 0 need recall (max_recall_pages > 0)")
         if bool(self.local_layers) != bool(self.local_window):
@@ -189,11 +192,19 @@ class CacheSpec:
         return "float32" if self.cold is None else self.cold.score_dtype
 
     @property
+    def scoring_copy_row(self) -> tuple[str, int]:
+        """(dtype, width) of one key's row of KVCache.cold_k_glob: float32 [head_dim], or for the int8 copy int32
+        words [head_dim / 4 + 1], its codes four to a word then its float32 scale's bits (recall.pack_int8_keys:
+        XLA:CPU reads a row of 17 words several times faster than 64 codes and a scale apart)."""
+        if self.scoring_copy_dtype == "float32":
+            return "float32", self.head_dim
+        return "int32", self.head_dim // 4 + 1
+
+    @property
     def scoring_copy_bytes(self) -> int:
         """Bytes of the "max" rule's scoring copy per cold slot (all layers and KV heads): float32 keys, or int8
         codes and a float32 scale per key."""
-        per_head = self.head_dim * 4 if self.scoring_copy_dtype == "float32" else self.head_dim + 4
-        return self.num_layers * self.batch * self.num_kv_heads * per_head
+        return self.num_layers * self.batch * self.num_kv_heads * 4 * self.scoring_copy_row[1]
 
     @property
     def recall_slots(self) -> int:

@@ -168,7 +168,7 @@ def _cache_partition(cache: KVCache) -> KVCache:
     """PartitionSpec of each leaf of a policy-vmapped cache: [P] on "policy", text batch on "batch"."""
     batch_axis = {"win_k": 2, "win_v": 2, "surv_k": 2, "surv_v": 2, "surv_k_rot": 2, "win_tok": 1, "surv_tok": 1,
                   "cold_k": 2, "cold_v": 2, "cold_sum": 2,
-                  "cold_lo": 2, "cold_hi": 2, "cold_k_glob": 2, "cold_k_scale": 2, "loc_k": 2, "loc_v": 2}
+                  "cold_lo": 2, "cold_hi": 2, "cold_k_glob": 2, "loc_k": 2, "loc_v": 2}
     specs = {}
     for f in dataclasses.fields(cache):
         nd = getattr(cache, f.name).ndim

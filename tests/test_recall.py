@@ -197,7 +197,7 @@ def test_int8_scoring_copy_scores_within_its_quantization_bound():
     float64 scores of the same keys: each token's q . k is off by at most |q|_1 s_k / 2 + |k^|_1 s_q / 2 (s: a
     vector's scale, k^ its dequantized codes), so each page's maximum is too; codes times scale is the key within
     half a scale; the store's memory counts D + 4 bytes per key."""
-    from rsqr_jax.recall import quantize_int8
+    from rsqr_jax.recall import pack_int8_keys, quantize_int8, unpack_int8_keys
 
     seed = drawn_seed("int8-copy")
     rng = np.random.default_rng(seed)
@@ -206,8 +206,8 @@ def test_int8_scoring_copy_scores_within_its_quantization_bound():
     k = (rng.normal(size=(B, Hkv, n_pages * Pg, D)) * rng.uniform(0.1, 10, size=(1, 1, n_pages * Pg, 1))).astype(np.float32)
     k[:, :, 5] = 0.0  # an all-zero key: scale 0
     valid = rng.random(n_pages * Pg) < 0.8
-    packed = quantize_int8(jnp.asarray(k))
-    codes, scale = (np.asarray(x) for x in packed)
+    codes, scale = (np.asarray(x) for x in quantize_int8(jnp.asarray(k)))
+    packed = pack_int8_keys(jnp.asarray(k))  # the rows the cache keeps (scored as they lie, scale bytes included)
     assert codes.dtype == np.int8 and codes.shape == k.shape and scale.shape == k.shape[:-1]
     assert np.all(np.abs(codes * scale[..., None] - k) <= scale[..., None] / 2 + 1e-6 * np.abs(k)), seed
     q_global, real = np.array([40, 41], np.int32), np.array([True, True])
@@ -238,8 +238,14 @@ def test_int8_scoring_copy_scores_within_its_quantization_bound():
     extra = f32.bytes_by_part()["cold_store"] - i8.bytes_by_part()["cold_store"]
     assert extra == f32.cold_slots * CFG.num_layers * CFG.num_kv_heads * (4 * CFG.head_dim - (CFG.head_dim + 4))
     cache = rj.init_cache(i8)
-    assert cache.cold_k_glob.dtype == jnp.int8 and cache.cold_k_scale.shape == cache.cold_k_glob.shape[:-1]
-    assert rj.init_cache(f32).cold_k_scale.size == 0
+    assert cache.cold_k_glob.dtype == jnp.int32 and cache.cold_k_glob.shape[-1] == CFG.head_dim // 4 + 1
+    assert rj.init_cache(f32).cold_k_glob.shape[-1] == CFG.head_dim
+    # the cache keeps each key's codes and scale in one row of words: unpacked, exactly quantize_int8's
+    words = pack_int8_keys(jnp.asarray(k))
+    assert words.dtype == jnp.int32 and words.shape == k.shape[:-1] + (D // 4 + 1,)
+    back_codes, back_scale = (np.asarray(x) for x in unpack_int8_keys(words))
+    np.testing.assert_array_equal(back_codes, codes)
+    np.testing.assert_array_equal(back_scale, scale)
 
 
 @pytest.mark.parametrize("C", [1, 2])  # 1 row: the query turns per page; 2: each key turns (recall.shortlist_scores)
@@ -366,6 +372,30 @@ def test_order_index_counts_and_sorts_alike():
         want = np.empty(n, np.int32)
         want[order] = np.arange(n)
         assert np.asarray(P.order_index(jnp.asarray(mask), jnp.asarray(key))).tolist() == want.tolist(), (seed, n)
+
+
+def test_union_ranks_are_the_order_of_survivors_and_recalled_tokens_together():
+    """The raw segment's ranks with recalled tokens (recall._union_ranks: a survivor's own rank moved up by the
+    recalled tokens before it) against order_index over the two concatenated, for every valid entry; positions
+    drawn from a small range, so survivor/recalled ties (first the survivor) and recalled/recalled ties occur."""
+    from rsqr_jax.recall import _union_ranks
+
+    seed = drawn_seed("union-ranks")
+    rng = np.random.default_rng(seed)
+    B, S, R = 3, 11, 9
+    for trial in range(20):
+        surv_gpos = rng.integers(0, 25, size=S).astype(np.int32)
+        surv_valid = rng.random((B, S)) < 0.7
+        rec_gpos = rng.integers(-1, 25, size=(B, R)).astype(np.int32)
+        rec_valid = (rng.random((B, R)) < 0.7) & (rec_gpos >= 0)
+        surv_rank = jax.vmap(P.order_index, (0, None))(jnp.asarray(surv_valid), jnp.asarray(surv_gpos))
+        got_s, got_r = _union_ranks(jnp.asarray(surv_gpos), jnp.asarray(surv_valid), surv_rank, jnp.asarray(rec_gpos),
+                                    jnp.asarray(rec_valid))
+        valid = np.concatenate([surv_valid, rec_valid], 1)
+        want = jax.vmap(P.order_index)(jnp.asarray(valid), jnp.asarray(
+            np.concatenate([np.broadcast_to(surv_gpos, (B, S)), rec_gpos], 1)))
+        got = np.concatenate([np.asarray(got_s), np.asarray(got_r)], 1)
+        assert np.array_equal(got[valid], np.asarray(want)[valid]), (seed, trial)
 
 
 def test_one_compilation_per_spec_and_recall_settings_vmap():
@@ -628,6 +658,37 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
     assert got == want
     for f in ("cold_k", "cold_v", "cold_sum", "cold_pos", "win_k"):
         np.testing.assert_array_equal(np.asarray(getattr(s.cache, f)), np.asarray(getattr(ref.cache, f)), err_msg=f)
+
+
+def test_a_session_saved_with_the_int8_copy_kept_apart_loads_into_one_row_per_key(tmp_path):
+    """A session file from when the int8 scoring copy kept its codes (int8 [.., D]) and scales (cold_k_scale) in
+    two arrays loads into today's packed rows, bit for bit the cache of the session that was saved."""
+    from rsqr_jax.recall import unpack_int8_keys
+    from rsqr_jax.session import Session
+    from rsqr_jax.session_file import SessionFileError, read_session_file, write_session_file
+
+    tokens = np.random.default_rng(drawn_seed("int8-file")).integers(0, CFG.vocab_size, size=40)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    spec = rj.CacheSpec.for_policies([pol], max_chunk=4, max_len=0, **DIMS,
+                                     cold=rj.ColdStore(32, 4, "max", score_dtype="int8"))
+    apply_fn, params = _model(0)
+    ident = {"model": "tiny-random", "seed": 0}
+    s = Session(apply_fn, params, spec, pol, prefill_chunk=4, vocab_size=CFG.vocab_size)
+    s.feed(tokens)
+    s.save(tmp_path / "new.session", ident)
+    header, arrays = read_session_file(tmp_path / "new.session")
+    codes, scale = (np.asarray(x) for x in unpack_int8_keys(jnp.asarray(arrays["cache.cold_k_glob"])))
+    assert np.abs(codes).max() > 0  # the store holds keys: the conversion is not vacuous
+    arrays["cache.cold_k_glob"], arrays["cache.cold_k_scale"] = codes, scale
+    header.pop("arrays"), header.pop("checksum")
+    write_session_file(tmp_path / "old.session", header, arrays)
+    old = Session.load(tmp_path / "old.session", apply_fn, params, ident)
+    for f in dataclasses.fields(s.cache):
+        np.testing.assert_array_equal(np.asarray(getattr(old.cache, f.name)), np.asarray(getattr(s.cache, f.name)))
+    arrays["cache.cold_k_scale"] = scale[..., 1:]  # a scale array that does not fit its codes is refused
+    write_session_file(tmp_path / "bad.session", header, arrays)
+    with pytest.raises(SessionFileError, match="invalid int8 scoring copy"):
+        Session.load(tmp_path / "bad.session", apply_fn, params, ident)
 
 
 @pytest.mark.parametrize("score", ["mean", "max", "quest", "shortlist"])
