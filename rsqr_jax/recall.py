@@ -157,8 +157,8 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
 
 def pack_int8_keys(x_f32: jax.Array) -> jax.Array:
     """The int8 scoring copy's rows of keys [..., D]: int32 [..., D / 4 + 1], the codes (quantize_int8) four to a
-    word, then the scale's bits. One row is read as one run of 17 words: XLA:CPU gathers element by element, so
-    64 codes and a scale read apart took about twice as long (a scoring layer of the default store)."""
+    word, then the scale's bits (17 words at head_dim 64). XLA:CPU gathers element by element: reading 64 codes and
+    a scale apart made a layer's scoring of the default store about twice as slow (measured alone)."""
     codes, scale = quantize_int8(x_f32)
     words = jax.lax.bitcast_convert_type(codes.reshape(codes.shape[:-1] + (-1, 4)), jnp.int32)
     return jnp.concatenate([words, jax.lax.bitcast_convert_type(scale, jnp.int32)[..., None]], axis=-1)
@@ -171,9 +171,9 @@ def unpack_int8_keys(words: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _row_bytes(words: jax.Array) -> jax.Array:
-    """pack_int8_keys' rows as they lie in memory, int8 [..., D + 4]: the codes, then the scale's 4 bytes (a view:
-    dotted against a query padded with 4 zero codes, the scale's bytes add nothing, and no copy of the codes
-    without them is made)."""
+    """pack_int8_keys' rows as they lie in memory, int8 [..., D + 4]: the codes, then the scale's 4 bytes. Dotted
+    against a query padded with 4 zero codes, the scale's bytes add nothing, so the codes need no slice of their
+    own (XLA:CPU still converts the gathered words to bytes once)."""
     row = jax.lax.bitcast_convert_type(words, jnp.int8)
     return row.reshape(row.shape[:-2] + (-1,))
 
