@@ -194,8 +194,12 @@ def _best_token(q_BxCxHkvxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax
         q_codes, q_scale = quantize_int8(q_BxCxHkvxGxD)
         q_codes = jnp.pad(q_codes, [(0, 0)] * 4 + [(0, 4)])
         k_scale = jax.lax.bitcast_convert_type(k_BxHkvxNxD[..., -1], jnp.float32)
-        dot = jnp.einsum("bckgd,bknd->bckgn", q_codes, _row_bytes(k_BxHkvxNxD), preferred_element_type=jnp.int32)
-        s = dot.astype(jnp.float32) * q_scale[..., None] * k_scale[:, None, :, None, :]
+        # Keys first in the product ([B, Hkv, N, C, G], the dot's own order on XLA:CPU): no transpose of the scores.
+        dot = jnp.einsum("bknd,bckgd->bkncg", _row_bytes(k_BxHkvxNxD), q_codes, preferred_element_type=jnp.int32)
+        s = dot.astype(jnp.float32) * k_scale[..., None, None] * jnp.moveaxis(q_scale, 2, 1)[:, :, None]
+        s = jnp.where(q_real_C[None, None, None, :, None] & valid_BxN[:, None, :, None, None], s, -jnp.inf)
+        B, Hkv, N = s.shape[:3]
+        return jnp.max(s.reshape(B, Hkv, N // Pg, Pg, -1), axis=(1, 3, 4))
     else:
         s = jnp.einsum("bckgd,bknd->bckgn", q_BxCxHkvxGxD, k_BxHkvxNxD, precision=jax.lax.Precision.HIGHEST)
     s = jnp.where(q_real_C[None, :, None, None, None] & valid_BxN[:, None, None, None, :], s, -jnp.inf)
