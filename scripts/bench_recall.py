@@ -4,6 +4,7 @@
     python scripts/bench_recall.py --out runs/bench_recall            # cold stores 0, 4k, 16k, 64k tokens
     python scripts/bench_recall.py --cold-sizes 0,4096 --prompt-tokens 32,2048,4608   # empty, half full, wrapped
     python scripts/bench_recall.py --cold-sizes 0,65536 --prompt-tokens 66304 --fill --reselect 1,8   # a full 64k store
+    python scripts/bench_recall.py --cold-sizes 0,4096 --prompt-tokens 4864 --fill --no-weights   # the cache machinery alone
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fill", action="store_true", help="feed each store size's prompt once with recall off and "
                    "start every arm from that state (a full store without one recall prefill per arm)")
+    p.add_argument("--no-weights", action="store_true", help="time the cache machinery alone: the model's "
+                   "projections read no weights (their memory traffic, the noisiest part of a step, is gone; the "
+                   "text generated means nothing); compare arms by their difference in ms")
     p.add_argument("--quick", action="store_true", help="cold stores 0 and 256, 8 tokens, 1 round")
     p.add_argument("--out", default=None, metavar="DIR")
     p.add_argument("--json", action="store_true")
@@ -69,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
                               reselects=reselects, share_froms=shares, score_dtypes=tuple(args.score_dtypes.split(",")),
                               fill=args.fill)
     loaded, apply_fn, params = load_model_from_args(args)
+    if args.no_weights:
+        from rsqr_jax.models.llama import split_apply
+
+        apply_fn, params = split_apply(loaded.model, kernel=args.kernel, matmul=B.weightless_matmul)
     for share in shares:
         check_share_layer(args, loaded.config, share)
     result = B.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
+    result["config"]["no_weights"] = args.no_weights
     if args.out:
         B.write(result, args.out)
     print(json.dumps(result) if args.json else B.markdown(result), end="")

@@ -606,6 +606,33 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
         B.BenchRecallConfig(str(text), (0, 30), page_size=4)
 
 
+def test_bench_recall_without_weights_runs_the_same_cache_on_a_projection_that_reads_none(tmp_path):
+    """--no-weights: weightless_matmul gives each projection its output width (dense or block weights) without
+    reading them, and a recalling arm runs on it against plain rsqr."""
+    import jax.numpy as jnp
+
+    from rsqr_jax.models.blocks import BlockWeights
+    from rsqr_jax.models.llama import Llama, split_apply
+    from rsqr_jax.studies import recall_timing as B
+    from rsqr_jax.testing.tiny import tiny_weights
+    from rsqr_jax.testing.tokenizer import ByteTokenizer
+
+    x = jnp.arange(12, dtype=jnp.float32).reshape(2, 6)
+    blocks = BlockWeights.from_blocks(np.zeros((6, 64), np.int8), np.ones((6, 2), np.float32), None, 1)
+    for w in (jnp.zeros((6, 10)), jnp.zeros((6, 4)), blocks):
+        out = B.weightless_matmul(x, w)
+        assert out.shape == (2, w.shape[-1])
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[:, np.arange(w.shape[-1]) % 6] * 0.5 + 0.01)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    cfg = B.BenchRecallConfig(str(text), (0, 32), recall_pages=2, page_size=4, policy=P.rsqr(8, 2, 3, 3),
+                              prompt_tokens=40, new_tokens=3, rounds=1, page_scores=("max",))
+    apply_fn, params = split_apply(Llama(CFG, tiny_weights(CFG, 0)), matmul=B.weightless_matmul)
+    rows = B.run(cfg, apply_fn, params, CFG, ByteTokenizer(CFG.vocab_size))["rows"]
+    assert [r["cold_capacity"] for r in rows] == [0, 32] and all(r["ms_per_token"] > 0 for r in rows)
+    assert rows[1]["recallable"][1] > 0  # the store held recallable tokens: the recalling arm recalled
+
+
 def test_a_cold_store_larger_than_memory_is_refused_before_loading_the_weights(cli):
     from rsqr_jax.eval.runtime import ConfigError, check_memory
     from tests.cli import assert_one_line_error

@@ -63,6 +63,17 @@ class BenchRecallConfig:
         base_policy.check(self.policy)
 
 
+def weightless_matmul(x, w):
+    """A projection that reads no weights (bench_recall --no-weights): x's features repeated to w's output width.
+    Every cache operation of a step runs on the shapes it has with the model's weights, while the weights' memory
+    traffic, most of a step's time and the part a shared machine's load moves most, is gone: the difference
+    between two arms is then what the cache machinery adds (the logits mean nothing)."""
+    import jax.numpy as jnp
+
+    n = w.shape[-1]
+    return jnp.take(x, jnp.asarray(np.arange(n) % x.shape[-1]), axis=-1) * 0.5 + 0.01
+
+
 def _recallable(session) -> int:
     """Cold slots holding a token that has left the window (what recall may choose from)."""
     from rsqr_jax.policy import window_start
