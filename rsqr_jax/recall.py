@@ -196,7 +196,8 @@ def _best_token(q_BxCxHkvxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax
         k_scale = jax.lax.bitcast_convert_type(k_BxHkvxNxD[..., -1], jnp.float32)
         # Keys first in the product ([B, Hkv, N, C, G], the dot's own order on XLA:CPU): no transpose of the scores.
         dot = jnp.einsum("bknd,bckgd->bkncg", _row_bytes(k_BxHkvxNxD), q_codes, preferred_element_type=jnp.int32)
-        s = dot.astype(jnp.float32) * k_scale[..., None, None] * jnp.moveaxis(q_scale, 2, 1)[:, :, None]
+        # q's scale, then the key's: the float32 products in the order of the scores the fact probe was measured on
+        s = dot.astype(jnp.float32) * jnp.moveaxis(q_scale, 2, 1)[:, :, None] * k_scale[..., None, None]
         s = jnp.where(q_real_C[None, None, None, :, None] & valid_BxN[:, None, :, None, None], s, -jnp.inf)
         B, Hkv, N = s.shape[:3]
         return jnp.max(s.reshape(B, Hkv, N // Pg, Pg, -1), axis=(1, 3, 4))

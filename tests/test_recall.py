@@ -197,7 +197,7 @@ def test_int8_scoring_copy_scores_within_its_quantization_bound():
     float64 scores of the same keys: each token's q . k is off by at most |q|_1 s_k / 2 + |k^|_1 s_q / 2 (s: a
     vector's scale, k^ its dequantized codes), so each page's maximum is too; codes times scale is the key within
     half a scale; the store's memory counts D + 4 bytes per key."""
-    from rsqr_jax.recall import pack_int8_keys, quantize_int8, unpack_int8_keys
+    from rsqr_jax.recall import _best_token, pack_int8_keys, quantize_int8, unpack_int8_keys
 
     seed = drawn_seed("int8-copy")
     rng = np.random.default_rng(seed)
@@ -246,6 +246,15 @@ def test_int8_scoring_copy_scores_within_its_quantization_bound():
     back_codes, back_scale = (np.asarray(x) for x in unpack_int8_keys(words))
     np.testing.assert_array_equal(back_codes, codes)
     np.testing.assert_array_equal(back_scale, scale)
+    # scored as they lie (the scale's bytes against zero codes), bit for bit the codes and scales read apart
+    q_codes, q_scale = quantize_int8(jnp.asarray(q_rot, jnp.float32))
+    apart = jnp.einsum("bckgd,bknd->bckgn", q_codes, jnp.asarray(codes), preferred_element_type=jnp.int32)
+    apart = apart.astype(jnp.float32) * q_scale[..., None] * jnp.asarray(scale)[:, None, :, None, :]
+    apart = jnp.where(jnp.asarray(valid)[None, None, None, None, :], apart, -jnp.inf)
+    want_apart = np.asarray(jnp.max(apart.reshape(apart.shape[:4] + (n_pages, Pg)), axis=(1, 2, 3, 5)))
+    got_rows = np.asarray(_best_token(jnp.asarray(q_rot, jnp.float32), words, jnp.asarray(valid)[None].repeat(B, 0),
+                                      jnp.asarray(real), Pg))
+    np.testing.assert_array_equal(got_rows, want_apart)
 
 
 @pytest.mark.parametrize("C", [1, 2])  # 1 row: the query turns per page; 2: each key turns (recall.shortlist_scores)
