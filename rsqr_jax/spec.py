@@ -29,8 +29,8 @@ SHORTLIST_PER_PAGE = 16
 # ~1.3x the per-token time of "mean" with the default 4096-token store (more for larger stores).
 DEFAULT_PAGE_SCORE = "max"
 # How the "max" rule's scoring copy stores a key: "float32" (exact scores), or "int8" (codes and a float32 scale per
-# key and KV head, scored against the query quantized the same way by an int32 dot: the same facts on the probe and
-# a quarter of the copy's bytes, though decoding is no faster on XLA:CPU; docs/recall_tier.md section 10).
+# key and KV head, scored against the query quantized the same way by an int32 dot: the same facts on the probe, a
+# quarter of the copy's bytes, and faster where the scoring dominates; docs/recall_tier.md sections 10-11).
 SCORE_DTYPES = ("float32", "int8")
 # Where recalled tokens sit on the query's timeline (docs/design.md §3b). Recalled keys are raw, so each is
 # rotated once from raw whatever the placement. "rank": at their rank among sinks, pins and survivors in the

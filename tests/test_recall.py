@@ -825,6 +825,20 @@ def test_concurrent_streams_with_recall_equal_each_stream_alone(score):
     assert len({tuple(a) for a in alone}) == 3  # sampled (temperature 8), distinct continuations
 
 
+def test_a_store_is_scored_in_the_fewest_equal_blocks():
+    """score_block_pages: the fewest blocks of at most `most` pages, all of one size, at least 2 pages (the default
+    4096-token store's 277 pages in one block, not a block of 256 and one moved back over 235 of them)."""
+    from rsqr_jax.recall import score_block_pages
+
+    for n_pages, most, want in ((277, 320, 277), (277, 256, 139), (4117, 320, 317), (7, 3, 3), (7, 1, 2), (1, 320, 1),
+                                (640, 320, 320), (641, 320, 214)):
+        got = score_block_pages(n_pages, most)
+        assert got == want, (n_pages, most, got)
+        blocks = -(-n_pages // got)
+        assert blocks == max(1, -(-n_pages // max(most, 2))) or got == 2  # the fewest blocks
+        assert blocks * got - n_pages < blocks  # what the last block rescores is less than one page per block
+
+
 @pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
 @pytest.mark.parametrize("rule", ["mean", "quest", "max"])
 def test_scoring_only_the_filled_pages_gives_every_score_bit_for_bit(rule):

@@ -121,7 +121,7 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
     g.add_argument("--score-dtype", default=None,
                    help="the max rule's scoring copy of the cold keys: float32 (exact scores; the default, except "
                    "decode.py on the embedded model: int8) or int8 (a code per value and a scale per key, scored by "
-                   "an int32 dot: a quarter of the copy's memory, not faster; docs/recall_tier.md section 10)")
+                   "an int32 dot: a quarter of the copy's memory; docs/recall_tier.md sections 10-11)")
     g.add_argument("--placement", default=None,
                    help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
                    "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
