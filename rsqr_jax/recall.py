@@ -164,12 +164,6 @@ def pack_int8_keys(x_f32: jax.Array) -> jax.Array:
     return jnp.concatenate([words, jax.lax.bitcast_convert_type(scale, jnp.int32)[..., None]], axis=-1)
 
 
-def unpack_int8_keys(words: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(codes int8 [..., D], scale float32 [...]) of pack_int8_keys' rows."""
-    codes = jax.lax.bitcast_convert_type(words[..., :-1], jnp.int8)
-    return codes.reshape(codes.shape[:-2] + (-1,)), jax.lax.bitcast_convert_type(words[..., -1], jnp.float32)
-
-
 def _row_bytes(words: jax.Array) -> jax.Array:
     """pack_int8_keys' rows as they lie in memory, int8 [..., D + 4]: the codes, then the scale's 4 bytes. Dotted
     against a query padded with 4 zero codes, the scale's bytes add nothing, so the codes need no slice of their
@@ -450,12 +444,10 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
         # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
         # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the
         # docstring).
-        if cache.cold_k_glob.dtype == jnp.int32:  # ColdStore.score_dtype "int8": codes and scale in one row
-            k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(pack_int8_keys(rot_BxHxCxD), 2, 0))
-            glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
-        else:
-            k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rot_BxHxCxD, 2, 0))
-            glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
+        # ColdStore.score_dtype "int8": each key's codes and scale in one row of int32 words
+        rows = pack_int8_keys(rot_BxHxCxD) if cache.cold_k_glob.dtype == jnp.int32 else rot_BxHxCxD
+        k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rows, 2, 0))
+        glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
     return cache.replace(**out), (layer_sum, lo, hi, glob)
 
 

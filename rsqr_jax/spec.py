@@ -188,14 +188,16 @@ class CacheSpec:
 
     @property
     def scoring_copy_dtype(self) -> str:
-        """dtype of KVCache.cold_k_glob (ColdStore.score_dtype; float32 without a cold store)."""
+        """The scoring copy's number format, ColdStore.score_dtype (float32 without a cold store); how it is
+        stored: scoring_copy_row."""
         return "float32" if self.cold is None else self.cold.score_dtype
 
     @property
     def scoring_copy_row(self) -> tuple[str, int]:
         """(dtype, width) of one key's row of KVCache.cold_k_glob: float32 [head_dim], or for the int8 copy int32
         words [head_dim / 4 + 1], its codes four to a word then its float32 scale's bits (recall.pack_int8_keys:
-        XLA:CPU reads a row of 17 words several times faster than 64 codes and a scale apart)."""
+        XLA:CPU scored a layer of the default store about twice as fast from these rows as from 64 codes and a
+        scale read apart)."""
         if self.scoring_copy_dtype == "float32":
             return "float32", self.head_dim
         return "int32", self.head_dim // 4 + 1

@@ -192,12 +192,19 @@ def test_max_rule_scores_each_page_by_its_best_recallable_token():
     assert extra == best.cold_slots * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
 
 
+def _unpack_int8_rows(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [..., D], scale float32 [...]) of the int8 scoring copy's rows (recall.pack_int8_keys), read
+    back in numpy: the words' bytes in memory order."""
+    words = np.ascontiguousarray(words)
+    return words[..., :-1].copy().view(np.int8), words[..., -1].copy().view(np.float32)
+
+
 def test_int8_scoring_copy_scores_within_its_quantization_bound():
     """ColdStore.score_dtype "int8": page_scores on int8 codes and scales (recall.quantize_int8) against the
     float64 scores of the same keys: each token's q . k is off by at most |q|_1 s_k / 2 + |k^|_1 s_q / 2 (s: a
     vector's scale, k^ its dequantized codes), so each page's maximum is too; codes times scale is the key within
     half a scale; the store's memory counts D + 4 bytes per key."""
-    from rsqr_jax.recall import _best_token, pack_int8_keys, quantize_int8, unpack_int8_keys
+    from rsqr_jax.recall import _best_token, pack_int8_keys, quantize_int8
 
     seed = drawn_seed("int8-copy")
     rng = np.random.default_rng(seed)
@@ -241,9 +248,9 @@ def test_int8_scoring_copy_scores_within_its_quantization_bound():
     assert cache.cold_k_glob.dtype == jnp.int32 and cache.cold_k_glob.shape[-1] == CFG.head_dim // 4 + 1
     assert rj.init_cache(f32).cold_k_glob.shape[-1] == CFG.head_dim
     # the cache keeps each key's codes and scale in one row of words: unpacked, exactly quantize_int8's
-    words = pack_int8_keys(jnp.asarray(k))
+    words = packed
     assert words.dtype == jnp.int32 and words.shape == k.shape[:-1] + (D // 4 + 1,)
-    back_codes, back_scale = (np.asarray(x) for x in unpack_int8_keys(words))
+    back_codes, back_scale = _unpack_int8_rows(np.asarray(words))
     np.testing.assert_array_equal(back_codes, codes)
     np.testing.assert_array_equal(back_scale, scale)
     # scored as they lie (the scale's bytes against zero codes), bit for bit the codes and scales read apart
@@ -699,7 +706,6 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
 def test_a_session_saved_with_the_int8_copy_kept_apart_loads_into_one_row_per_key(tmp_path):
     """A session file from when the int8 scoring copy kept its codes (int8 [.., D]) and scales (cold_k_scale) in
     two arrays loads into today's packed rows, bit for bit the cache of the session that was saved."""
-    from rsqr_jax.recall import unpack_int8_keys
     from rsqr_jax.session import Session
     from rsqr_jax.session_file import SessionFileError, read_session_file, write_session_file
 
@@ -713,7 +719,7 @@ def test_a_session_saved_with_the_int8_copy_kept_apart_loads_into_one_row_per_ke
     s.feed(tokens)
     s.save(tmp_path / "new.session", ident)
     header, arrays = read_session_file(tmp_path / "new.session")
-    codes, scale = (np.asarray(x) for x in unpack_int8_keys(jnp.asarray(arrays["cache.cold_k_glob"])))
+    codes, scale = _unpack_int8_rows(arrays["cache.cold_k_glob"])
     assert np.abs(codes).max() > 0  # the store holds keys: the conversion is not vacuous
     arrays["cache.cold_k_glob"], arrays["cache.cold_k_scale"] = codes, scale
     header.pop("arrays"), header.pop("checksum")
