@@ -20,7 +20,7 @@ from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, add_model_args, 
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--formats", default="dense,blocks,blocks_mixed,blocks_int8", help="comma-separated formats")
+    p.add_argument("--formats", default="dense,blocks,kernel,blocks_mixed,blocks_int8", help="comma-separated formats")
     p.add_argument("--cached", type=int, nargs="+", default=[128, 2048], help="cached-token counts for decode")
     p.add_argument("--new", type=int, default=48, help="tokens decoded per measurement")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements per format (best reported)")
@@ -50,18 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from rsqr_jax.eval.runtime import read_tokens, status, write_json_atomic
-    from rsqr_jax.models.llama import read_model
+    from rsqr_jax.kernels import block_matvec
     from rsqr_jax.models.loading import default_model_path
 
+    if "kernel" in config.formats and not block_matvec.available():
+        raise UsageError(f"--formats kernel: {block_matvec.unavailable_reason()} (leave it out of --formats)")
     path = args.model or default_model_path()
-    dense_model = read_model(path, "float32")
-    blocks_model = read_model(path, "float32", blocks=True)
+    models = WT.read_models(path, config.formats)
     result = {"config": {"formats": list(config.formats), "cached": list(config.cached), "new": config.new,
                          "rounds": config.rounds, "model": args.model or "embedded"},
               "micro": {}, "decode": [],
               "machine": {"cpus": os.cpu_count(), "jax": jax.__version__}}
     status("projections, default XLA flags ...")
-    result["micro"]["default"] = WT.micro(dense_model, blocks_model, config.formats, config.micro_rounds)
+    result["micro"]["default"] = WT.micro(models, config.formats, config.micro_rounds)
     if args.flags:
         for name, flags in WT.FLAG_SETS.items():
             if name == "default":
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result["micro"][flags] = json.loads(child.stdout)["micro"]["default"]
     if not args.no_decode:
-        ids = read_tokens(dense_model.tokenizer, config.text, max(config.cached) + 64).tolist()
-        result["decode"] = WT.decode(dense_model, blocks_model, config, ids)
+        ids = read_tokens(models['dense'].tokenizer, config.text, max(config.cached) + 64).tolist()
+        result["decode"] = WT.decode(models, config, ids)
     result["micro"] = {k: v for k, v in result["micro"].items() if "error" not in v} | \
         {k: v for k, v in result["micro"].items() if "error" in v}
     text = WT.markdown({**result, "micro": {k: v for k, v in result["micro"].items() if "error" not in v}})

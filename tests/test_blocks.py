@@ -106,20 +106,23 @@ def test_float_gguf_and_weight_format_choice(tmp_path):
     path = write_tiny_gguf(build_hf_model(spec), spec, tmp_path / "f32.gguf")
     assert read_model(str(path), blocks=True).weight_format == "dense"  # no blocks in the file: dense anyway
     assert load_model(str(path), weight_format="blocks").weight_format == "dense"
-    with pytest.raises(ValueError, match="weight_format must be one of auto, blocks, dense"):
+    with pytest.raises(ValueError, match="weight_format must be one of auto, kernel, blocks, dense"):
         load_model(str(path), weight_format="int4")
     assert_one_line_errors([("decode.py", ["--weight-format", "int4", "--prompt", "hi"],
-                             "--weight-format must be auto, blocks or dense")])
+                             "--weight-format must be auto, kernel, blocks or dense")])
 
 
 @pytest.mark.slow
 def test_embedded_model_blocks_equal_dense(smollm2_path):
     """SmolLM2-135M (Q4_1 layers, a Q8_0 embedding, tied): the same logits bit for bit from a quarter of the
-    bytes; `auto` is blocks on the CPU."""
+    bytes; `auto` is the CPU kernel's layout of the same blocks where the kernel builds (tests/test_block_matvec.py)."""
     blocks = read_model(smollm2_path, blocks=True)
     dense = read_model(smollm2_path)
     assert blocks.weight_format == "blocks"
     assert blocks.model.weight_bytes < 0.35 * dense.model.weight_bytes
     ids = np.asarray(blocks.tokenizer.encode("The secret number of Ada is 4417302. It was a dark and stormy night"))
     np.testing.assert_array_equal(forward_logits(blocks, ids[None]), forward_logits(dense, ids[None]))
-    assert dataclasses.replace(load_model(smollm2_path), _tokenizer=None).weight_format == "blocks"
+    from rsqr_jax.kernels import block_matvec
+
+    auto = "kernel" if block_matvec.available() else "blocks"
+    assert dataclasses.replace(load_model(smollm2_path), _tokenizer=None).weight_format == auto

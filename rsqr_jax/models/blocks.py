@@ -33,12 +33,14 @@ class BlockWeights:
 
     Held with that axis split in two, (n / 32, 32), the layout XLA:CPU dequantizes fastest inside a step:
     codes: int8 [..., n / 32, 32, ...]; scale: float32 [..., n / 32, 1, ...]; offset: float32 like scale (Q4_1's
-    minimum), or None (Q4_0, Q8_0)."""
+    minimum), or None (Q4_0, Q8_0). tiled (static; matrices [..., in, out] only): codes in the CPU kernel's layout
+    [..., in / 32, out / 8, 32, 8] (rsqr_jax.kernels.block_matvec), which `matmul` sends decode rows through."""
 
     codes: jax.Array
     scale: jax.Array
     offset: jax.Array | None
     block_axis: int = dataclasses.field(default=-2, metadata=dict(static=True))
+    tiled: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def from_blocks(cls, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, block_axis: int):
@@ -47,16 +49,33 @@ class BlockWeights:
         split = lambda a, n: a.reshape(a.shape[:ax] + (a.shape[ax] // n, n) + a.shape[ax + 1:])  # noqa: E731
         return cls(split(codes, BLOCK), split(scale, 1), None if offset is None else split(offset, 1), block_axis)
 
+    def to_tiled(self) -> "BlockWeights":
+        """This matrix (stack) with its codes in the CPU kernel's layout (host arrays; the values unchanged)."""
+        if self.block_axis != -2 or self.tiled:
+            raise ValueError("to_tiled() needs an untiled matrix blocked along its input axis")
+        from rsqr_jax.kernels.block_matvec import tile_codes
+
+        return BlockWeights(tile_codes(np.asarray(self.codes)), self.scale, self.offset, -2, tiled=True)
+
+    def _untiled_codes(self) -> jax.Array:
+        if not self.tiled:
+            return self.codes
+        from rsqr_jax.kernels.block_matvec import untile_codes
+
+        return untile_codes(self.codes)
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The weight's shape (the block axis whole)."""
         c = self.codes.shape
+        if self.tiled:
+            return c[:-4] + (c[-4] * c[-2], c[-3] * c[-1])
         ax = self.block_axis % (len(c) - 1)
         return c[:ax] + (c[ax] * c[ax + 1],) + c[ax + 2:]
 
     def dense(self, dtype=jnp.float32) -> jax.Array:
         """The weight as `dtype` (float32 arithmetic, cast last: the float32 path's values bit for bit)."""
-        w = self.codes.astype(jnp.float32) * self.scale
+        w = self._untiled_codes().astype(jnp.float32) * self.scale
         if self.offset is not None:
             w = w + self.offset
         return w.reshape(self.shape).astype(dtype)
@@ -88,9 +107,41 @@ def logits(h: jax.Array, w, dtype) -> jax.Array:
     return jnp.moveaxis(out, 0, -2).reshape(h.shape[:-1] + (V,))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """Matrix `layer` of a layer stack of tiled BlockWeights, unsliced: the CPU kernel reads the stack in place
+    (a slice of the codes would be a copy at every call), and `dense()` slices only when XLA's dot needs it."""
+
+    stack: BlockWeights
+    layer: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    def dense(self, dtype=jnp.float32) -> jax.Array:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False),
+                            self.stack).dense(dtype)
+
+
 def dense(w, dtype=None):
-    """A weight's array: `w` itself, or a BlockWeights dequantized (to `dtype`, default float32)."""
-    return w.dense(jnp.float32 if dtype is None else dtype) if isinstance(w, BlockWeights) else w
+    """A weight's array: `w` itself, or a BlockWeights (StackedLayer) dequantized (to `dtype`, default float32)."""
+    return w.dense(jnp.float32 if dtype is None else dtype) if isinstance(w, (BlockWeights, StackedLayer)) else w
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x @ w in x's dtype (float32 accumulation): w an array, a BlockWeights (dequantized inside the step, then
+    XLA's dot) or a StackedLayer, whose decode rows (at most block_matvec.ROWS_MAX of them, when the kernel is
+    built) go through the CPU kernel (the same products summed in another order) and a prompt's through XLA."""
+    if isinstance(w, StackedLayer):
+        from rsqr_jax.kernels import block_matvec as BM
+
+        if int(np.prod(x.shape[:-1])) <= BM.ROWS_MAX and BM.available():
+            s = w.stack
+            return BM.block_matvec(x, s.codes, s.scale, s.offset, w.layer).astype(x.dtype)
+    return jnp.dot(x, dense(w, x.dtype), precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def decode_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rsqr_jax.models.blocks import BlockWeights, dense
+from rsqr_jax.models.blocks import BlockWeights, StackedLayer, dense
+from rsqr_jax.models.blocks import matmul as blocks_matmul
 from rsqr_jax.models.blocks import logits as tied_logits
 from rsqr_jax.models.config import ModelConfig
 from rsqr_jax import hybrid
@@ -58,9 +59,9 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def dense_matmul(x: jax.Array, w) -> jax.Array:
-    """x @ w; a BlockWeights is dequantized here, inside the step (rsqr_jax.models.blocks)."""
-    return jnp.dot(x, dense(w, x.dtype), precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32).astype(x.dtype)
+    """x @ w; a BlockWeights is dequantized here, inside the step, or read by the CPU kernel
+    (rsqr_jax.models.blocks.matmul)."""
+    return blocks_matmul(x, w)
 
 
 class Llama(nnx.Module):
@@ -106,6 +107,9 @@ class Llama(nnx.Module):
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq = cfg.inv_freq
         stacked = {name: getattr(self, name).get_value() for name in layer_keys(cfg)}
+        # Tiled matrices (the CPU kernel's) are not sliced by the scan: each layer gets a StackedLayer view
+        kernel_stacks = {n: w for n, w in stacked.items() if isinstance(w, BlockWeights) and w.tiled}
+        stacked = {n: w for n, w in stacked.items() if n not in kernel_stacks}
         norm = functools.partial(gemma_rms_norm if cfg.gemma else rms_norm, eps=cfg.rms_norm_eps)
         act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else jax.nn.silu
         # Only the families that need them pass these on: the other programs (and an experiment's own `attend`)
@@ -140,7 +144,8 @@ class Llama(nnx.Module):
 
         def layer(carry, xs):
             x, cache = carry
-            p, kind_l, slot = xs  # slot: the layer's index among the layers of its cache (policy or ring)
+            p, kind_l, slot, index = xs  # slot: the layer's index among the layers of its cache (policy or ring)
+            p = p | {n: StackedLayer(w, index) for n, w in kernel_stacks.items()}
             h = norm(x, p["attn_norm"])
             q, k, v = attention(p, h)
             branches = {
@@ -161,7 +166,8 @@ class Llama(nnx.Module):
             x = x + (norm(m, p["post_mlp_norm"]) if cfg.gemma else m)
             return (x, cache), ((q, k) if capture_qk else None)
 
-        (x_BxCxH, cache), qk = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.asarray(kind), jnp.asarray(slots)))
+        (x_BxCxH, cache), qk = jax.lax.scan(layer, (x_BxCxH, cache), (stacked, jnp.asarray(kind), jnp.asarray(slots),
+                                                                    jnp.arange(cfg.num_layers, dtype=jnp.int32)))
         if ring.any():
             cache = cache.replace(loc_pos=local.next_pos)
         h = norm(x_BxCxH, self.final_norm[...])
@@ -190,7 +196,7 @@ def split_apply(model: Llama, *, kernel: str = "xla", attend: Callable = attend_
     return apply_fn, params
 
 
-WEIGHT_FORMATS = ("auto", "blocks", "dense")
+WEIGHT_FORMATS = ("auto", "kernel", "blocks", "dense")
 
 
 @dataclasses.dataclass
@@ -206,7 +212,7 @@ class LoadedModel:
     model: Llama
     path: str
     dtype: str
-    weight_format: str = "dense"  # "blocks" when some matrices are held as a GGUF's blocks (load_model)
+    weight_format: str = "dense"  # "blocks" / "kernel" when some matrices are held as a GGUF's blocks (load_model)
     _tokenizer: object = None
     _split: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -263,21 +269,25 @@ class LoadedModel:
                 "dtype": self.dtype}
 
 
-def read_model(path: str, dtype: str = "float32", *, blocks: bool = False) -> LoadedModel:
+def read_model(path: str, dtype: str = "float32", *, blocks: bool = False, tiled: bool = False) -> LoadedModel:
     """A LoadedModel read from `path` (not cached: `load_model` is what applications call). blocks: keep a GGUF's
-    Q4_0 / Q4_1 / Q8_0 matrices as BlockWeights.
+    Q4_0 / Q4_1 / Q8_0 matrices as BlockWeights; tiled: the layer matrices among them in the CPU kernel's layout
+    (BlockWeights.to_tiled; the embedding and output matrix stay as they are).
 
     Each canonical tensor goes to the device as soon as it is read (on CPU `jax.device_put` adopts the
     loader's 64-byte aligned buffer; elsewhere it copies, and the wait drops the host copy before the next
     tensor is read: copies are asynchronous), so the host never holds the weights twice.
     """
+    from rsqr_jax.kernels.block_matvec import GROUP
     from rsqr_jax.models.loading import iter_weights, load_config
 
     config = load_config(path)
     weights, held = {}, set()
     for name, w in iter_weights(path, config, blocks=blocks):
         if isinstance(w, BlockWeights):
-            held.add(name)
+            if tiled and name in layer_keys(config) and w.shape[-1] % GROUP == 0:
+                w = w.to_tiled()
+            held.add("kernel" if w.tiled else "blocks")
             w = jax.tree.map(jax.device_put, w)
         else:
             w = w if w.dtype == jnp.dtype(dtype) else w.astype(jnp.dtype(dtype))
@@ -285,14 +295,14 @@ def read_model(path: str, dtype: str = "float32", *, blocks: bool = False) -> Lo
         weights[name] = jax.block_until_ready(w)
         del w
     return LoadedModel(config, Llama(config, weights, dtype=jnp.dtype(dtype)), path, str(jnp.dtype(dtype)),
-                       weight_format="blocks" if held else "dense")
+                       weight_format="kernel" if "kernel" in held else "blocks" if held else "dense")
 
 
 @functools.lru_cache(maxsize=1)
-def _load_cached(path: str, dtype: str, blocks: bool) -> LoadedModel:
+def _load_cached(path: str, dtype: str, weight_format: str) -> LoadedModel:
     """One loaded model per process (a second path, dtype or weight format replaces it: two copies of the
     weights never stay alive through this cache)."""
-    return read_model(path, dtype, blocks=blocks)
+    return read_model(path, dtype, blocks=weight_format != "dense", tiled=weight_format == "kernel")
 
 
 def load_model(path: str | None = None, dtype: str = "float32", *, weight_format: str = "auto") -> LoadedModel:
@@ -300,16 +310,24 @@ def load_model(path: str | None = None, dtype: str = "float32", *, weight_format
 
     weight_format: "dense" holds every weight as a `dtype` array; "blocks" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 matrices
     as their int8 codes and scales, dequantized inside each step (a quarter of the bytes read per token, the
-    same logits bit for bit; rsqr_jax.models.blocks); "auto" (the default) is "blocks" on a CPU, where decode is
-    bound by the bytes of weights read, and "dense" elsewhere. A file without such blocks (an HF directory, a
-    float GGUF) loads dense under any setting."""
+    same logits bit for bit; rsqr_jax.models.blocks); "kernel" holds the layer matrices among them for the CPU
+    kernel (rsqr_jax.kernels.block_matvec), which decode rows go through without a dequantized matrix (the same
+    products summed in another order: logits within float32 rounding of the others'; a prompt's rows still take
+    XLA's dot); "auto" (the default) is "kernel" on a CPU where the kernel builds, else "blocks" on a CPU (decode
+    there is bound by the bytes of weights read) and "dense" elsewhere. A file without such blocks (an HF
+    directory, a float GGUF) loads dense under any setting."""
+    from rsqr_jax.kernels import block_matvec
     from rsqr_jax.models.loading import default_model_path
 
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+    if weight_format == "kernel" and not block_matvec.available():
+        raise ValueError(f"weight_format 'kernel': {block_matvec.unavailable_reason()}")
     path = default_model_path() if path is None else str(path)
-    blocks = weight_format == "blocks" or (weight_format == "auto" and jax.default_backend() == "cpu")
-    return _load_cached(path, str(jnp.dtype(dtype)), blocks)
+    if weight_format == "auto":
+        weight_format = ("dense" if jax.default_backend() != "cpu" else
+                         "kernel" if block_matvec.available() else "blocks")
+    return _load_cached(path, str(jnp.dtype(dtype)), weight_format)
 
 
 def forward_logits(path_or_loaded, token_ids: np.ndarray, *, dtype: str = "float32") -> np.ndarray:

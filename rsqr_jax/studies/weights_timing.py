@@ -7,6 +7,8 @@ XLA:CPU turns a compact format back into numbers. Formats (each a `matmul(x, w)`
 * dense: float32 weights (the GGUF dequantized at load), `x @ W`.
 * blocks: the GGUF's Q4_1 / Q8_0 blocks as int8 codes with float32 scales (rsqr_jax.models.blocks), dequantized
   inside the step, then `x @ W`: the float32 path's logits bit for bit.
+* kernel: the same codes in the CPU kernel's layout; decode rows go through rsqr_jax.kernels.block_matvec (each
+  code read once, no dequantized matrix; the products summed in another order), a prompt's rows through XLA.
 * blocks_mixed: no dequantized matrix: per block of 32 inputs a float32 x int8 dot (`lax.dot_general` with
   mixed operands), scaled and summed over the blocks (the same numbers, summed in another order).
 * blocks_int8: llama.cpp's scheme: the activations quantized to int8 per block of 32 (a scale each), an
@@ -32,7 +34,7 @@ import numpy as np
 
 from rsqr_jax.eval.runtime import ConfigError, status
 
-FORMATS = ("dense", "blocks", "blocks_mixed", "blocks_int8")
+FORMATS = ("dense", "blocks", "kernel", "blocks_mixed", "blocks_int8")
 # XLA:CPU flag sets tried for the projection benchmark (`--flags`): name -> XLA_FLAGS
 FLAG_SETS = {
     "default": "",
@@ -90,7 +92,20 @@ def int8_matmul(x, w):
 
 def matmul_of(fmt: str) -> Callable | None:
     """The decoder's matmul for a format (None: the decoder's own, dequantize then dot)."""
-    return {"dense": None, "blocks": None, "blocks_mixed": mixed_matmul, "blocks_int8": int8_matmul}[fmt]
+    return {"dense": None, "blocks": None, "kernel": None, "blocks_mixed": mixed_matmul, "blocks_int8": int8_matmul}[fmt]
+
+
+def read_models(path: str, formats) -> dict:
+    """The model each format runs on, read once per weight layout: {format: LoadedModel}."""
+    from rsqr_jax.models.llama import read_model
+
+    layout = {"dense": "dense", "kernel": "kernel"}
+    read = {}
+    for f in formats:
+        key = layout.get(f, "blocks")
+        if key not in read:
+            read[key] = read_model(path, "float32", blocks=key != "dense", tiled=key == "kernel")
+    return {f: read[layout.get(f, "blocks")] for f in formats}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,34 +139,38 @@ def _best_ms(fn, args, rounds: int, repeats: int = 5) -> list[float]:
     return out
 
 
-def micro(dense_model, blocks_model, formats, rounds: int) -> dict:
+def micro(models: dict, formats, rounds: int) -> dict:
     """ms per call of one projection (layer 0's MLP gate, one row) and of every layer's seven projections under
-    a lax.scan (one row through the stack, as a decode step reads them), per format; rounds interleaved."""
-    from rsqr_jax.models.blocks import BlockWeights
+    a lax.scan (one row through the stack, as a decode step reads them), per format; rounds interleaved.
+    models: {format: LoadedModel} (read_models)."""
+    from rsqr_jax.models.blocks import BlockWeights, StackedLayer
     from rsqr_jax.models.llama import dense_matmul
 
     names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-    stacks = {f: {n: getattr((dense_model if f == "dense" else blocks_model).model, n).get_value() for n in names}
-              for f in formats}
+    stacks = {f: {n: getattr(models[f].model, n).get_value() for n in names} for f in formats}
     if not all(isinstance(stacks[f]["w_gate"], BlockWeights) for f in formats if f != "dense"):
         raise ConfigError("the model file has no 4- or 8-bit blocks to compare (a GGUF of Q4_0 / Q4_1 / Q8_0)")
-    cfg = dense_model.config
+    cfg = models[formats[0]].config
     x = jnp.full((1, cfg.hidden_size), 0.01, jnp.float32)
 
-    def chain(x, stack, mm):
+    def chain(x, stack, mm, tiled):
         def body(x, w):
+            if tiled:  # the kernel reads the stack in place (as Llama.__call__ passes it)
+                w = {n: StackedLayer(a, w) for n, a in stack.items()}
             q, k, v = mm(x, w["wq"]), mm(x, w["wk"]), mm(x, w["wv"])
             h = mm(x, w["w_gate"]) * mm(x, w["w_up"]) * 1e-3
             y = mm(q * 1e-3, w["wo"]) + mm(h, w["w_down"])
             return x + 1e-6 * y + 1e-9 * (jnp.sum(k) + jnp.sum(v)), None
-        return jax.lax.scan(body, x, stack)[0]
+        return jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32) if tiled else stack)[0]
 
     fns = {}
     for f in formats:
         mm = matmul_of(f) or dense_matmul
-        one = jax.tree.map(lambda a: a[0], stacks[f]["w_gate"])
-        fns[f] = (jax.jit(lambda x, w, mm=mm: mm(x, w)), (x, one), jax.jit(lambda x, s, mm=mm: chain(x, s, mm)),
-                  (x, stacks[f]))
+        tiled = isinstance(stacks[f]["w_gate"], BlockWeights) and stacks[f]["w_gate"].tiled
+        one = (StackedLayer(stacks[f]["w_gate"], jnp.int32(0)) if tiled else
+               jax.tree.map(lambda a: a[0], stacks[f]["w_gate"]))
+        fns[f] = (jax.jit(lambda x, w, mm=mm: mm(x, w)), (x, one),
+                  jax.jit(lambda x, s, mm=mm, tiled=tiled: chain(x, s, mm, tiled)), (x, stacks[f]))
         for fn, args in ((fns[f][0], fns[f][1]), (fns[f][2], fns[f][3])):
             jax.block_until_ready(fn(*args))  # compile
     one_ms, stack_ms = {f: [] for f in formats}, {f: [] for f in formats}
@@ -165,20 +184,20 @@ def micro(dense_model, blocks_model, formats, rounds: int) -> dict:
             "bytes": {f: int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(stacks[f]))) for f in formats}}
 
 
-def decode(dense_model, blocks_model, config: WeightsConfig, ids: list[int]) -> list[dict]:
+def decode(models: dict, config: WeightsConfig, ids: list[int]) -> list[dict]:
     """Whole-model greedy decode at each cached count (policy `full`), ms per token per format (best of the
-    interleaved rounds), and each format's greedy tokens compared with dense's."""
+    interleaved rounds), and each format's greedy tokens compared with dense's. models: {format: LoadedModel}."""
     from rsqr_jax import policy as P
     from rsqr_jax.models.llama import split_apply
     from rsqr_jax.session import Session
     from rsqr_jax.spec import CacheSpec
 
     rows = []
-    fns = {f: split_apply((dense_model if f == "dense" else blocks_model).model, matmul=matmul_of(f))
-           for f in config.formats}
+    fns = {f: split_apply(models[f].model, matmul=matmul_of(f)) for f in config.formats}
+    dims = models[config.formats[0]].config
     for cached in config.cached:
         pol = P.full()
-        spec = CacheSpec.for_policies(pol, dims=dense_model.config, max_chunk=64,
+        spec = CacheSpec.for_policies(pol, dims=dims, max_chunk=64,
                                       max_len=-(-(cached + config.new + 8) // 64) * 64)
         new_session = lambda f: Session(*fns[f], spec, pol, prefill_chunk=64)  # noqa: E731
         for f in config.formats:  # compile and first execution, untimed

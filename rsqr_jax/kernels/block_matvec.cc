@@ -1,0 +1,165 @@
+// y = x @ W for a few rows x and a weight W held as a GGUF holds it: int8 codes in blocks of 32 along the input
+// axis, a float32 scale (and for Q4_1 an offset) per block and output column. XLA:CPU dequantizes such a matrix
+// into float32 before its dot; this kernel reads the codes once and never writes the float32 matrix.
+//
+// Layout (rsqr_jax.models.blocks.BlockWeights, tiled): codes int8 [L, K/32, N/8, 32, 8] - per block of 32 inputs
+// and per group of 8 output columns, the 32 x 8 codes contiguous, so a matrix is read in one forward stream;
+// scale, offset float32 [L, K/32, 1, N]; layer: int32 scalar, the matrix of the stack to use (the stack is passed
+// whole: a slice would be a copy of the codes at every call).
+//
+//   y[m, n] = sum_b scale[b, n] * (sum_i codes[b, i, n] x[m, 32 b + i]) + offset[b, n] * (sum_i x[m, 32 b + i])
+//
+// the dequantized weights' products, regrouped per block (float32 throughout; the sum's order is not XLA's, so
+// the result is the float32 dot's within rounding, not bit for bit). Work is split over column chunks that the
+// caller and XLA's intra-op threads claim from a shared counter: the caller never waits on a task that has not
+// started (two projections may run at once on a two-thread pool).
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;      // inputs per block
+constexpr int64_t kGroup = 8;       // output columns per tile
+constexpr int64_t kChunkGroups = 8; // tiles per unit of work (64 columns)
+
+struct Job {
+  const float* x;
+  const int8_t* codes;
+  const float* scale;
+  const float* offset;  // nullptr: no offset (Q4_0, Q8_0)
+  float* y;
+  int64_t M, K, N, n_chunks;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+// Output columns [8 g0, 8 g1) of every row.
+void Columns(const Job& j, int64_t g0, int64_t g1) {
+  const int64_t nb = j.K / kBlock, G = j.N / kGroup;
+  for (int64_t m = 0; m < j.M; ++m) {
+    const float* xm = j.x + m * j.K;
+    float* ym = j.y + m * j.N;
+    std::fill(ym + g0 * kGroup, ym + g1 * kGroup, 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = xm + b * kBlock;
+      float xsum = 0.0f;
+      for (int i = 0; i < kBlock; ++i) xsum += xb[i];
+      const float* sb = j.scale + b * j.N;
+      const float* ob = j.offset ? j.offset + b * j.N : nullptr;
+#if defined(__AVX512F__)
+      __m512 xv[kBlock / 2];  // rows 2i and 2i + 1 of the block, 8 lanes each
+      for (int i = 0; i < kBlock / 2; ++i)
+        xv[i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(xb[2 * i])), _mm256_set1_ps(xb[2 * i + 1]), 1);
+      const __m256 xs = _mm256_set1_ps(xsum);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int8_t* c = j.codes + (b * G + g) * kBlock * kGroup;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < kBlock / 2; i += 4) {
+          a0 = _mm512_fmadd_ps(xv[i], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i)))), a0);
+          a1 = _mm512_fmadd_ps(xv[i + 1], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i + 16)))), a1);
+          a2 = _mm512_fmadd_ps(xv[i + 2], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i + 32)))), a2);
+          a3 = _mm512_fmadd_ps(xv[i + 3], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i + 48)))), a3);
+        }
+        const __m512 a = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+        float* yo = ym + g * kGroup;
+        __m256 o = _mm256_fmadd_ps(_mm256_loadu_ps(sb + g * kGroup), s, _mm256_loadu_ps(yo));
+        if (ob) o = _mm256_fmadd_ps(_mm256_loadu_ps(ob + g * kGroup), xs, o);
+        _mm256_storeu_ps(yo, o);
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      __m256 xv[kBlock];
+      for (int i = 0; i < kBlock; ++i) xv[i] = _mm256_set1_ps(xb[i]);
+      const __m256 xs = _mm256_set1_ps(xsum);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int8_t* c = j.codes + (b * G + g) * kBlock * kGroup;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < kBlock; i += 4) {
+          a0 = _mm256_fmadd_ps(xv[i], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * i)))), a0);
+          a1 = _mm256_fmadd_ps(xv[i + 1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * i + 8)))), a1);
+          a2 = _mm256_fmadd_ps(xv[i + 2], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * i + 16)))), a2);
+          a3 = _mm256_fmadd_ps(xv[i + 3], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * i + 24)))), a3);
+        }
+        const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        float* yo = ym + g * kGroup;
+        __m256 o = _mm256_fmadd_ps(_mm256_loadu_ps(sb + g * kGroup), s, _mm256_loadu_ps(yo));
+        if (ob) o = _mm256_fmadd_ps(_mm256_loadu_ps(ob + g * kGroup), xs, o);
+        _mm256_storeu_ps(yo, o);
+      }
+#else
+      for (int64_t g = g0; g < g1; ++g) {
+        const int8_t* c = j.codes + (b * G + g) * kBlock * kGroup;
+        float s[kGroup] = {0};
+        for (int i = 0; i < kBlock; ++i)
+          for (int e = 0; e < kGroup; ++e) s[e] += xb[i] * static_cast<float>(c[i * kGroup + e]);
+        for (int e = 0; e < kGroup; ++e) {
+          const int64_t n = g * kGroup + e;
+          ym[n] += sb[n] * s[e] + (ob ? ob[n] * xsum : 0.0f);
+        }
+      }
+#endif
+    }
+  }
+}
+
+void Work(Job& j) {
+  const int64_t G = j.N / kGroup;
+  for (int64_t c; (c = j.next.fetch_add(1)) < j.n_chunks;) {
+    Columns(j, c * kChunkGroups, std::min(G, (c + 1) * kChunkGroups));
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scale,
+                ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                bool has_offset) {
+  const auto cd = codes.dimensions();
+  if (cd.size() != 5 || cd[3] != kBlock || cd[4] != kGroup)
+    return ffi::Error::InvalidArgument("block_matvec: codes must be [L, K/32, N/8, 32, 8]");
+  const int64_t L = cd[0], K = cd[1] * kBlock, N = cd[2] * kGroup;
+  if (x.dimensions().back() != K || y->element_count() != x.element_count() / K * N)
+    return ffi::Error::InvalidArgument("block_matvec: x, codes and y disagree");
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("block_matvec: layer out of range");
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->codes = codes.typed_data() + l * K * N;
+  job->scale = scale.typed_data() + l * (K / kBlock) * N;
+  job->offset = has_offset ? offset.typed_data() + l * (K / kBlock) * N : nullptr;
+  job->y = y->typed_data();
+  job->M = x.element_count() / K;
+  job->K = K;
+  job->N = N;
+  job->n_chunks = (N / kGroup + kChunkGroups - 1) / kChunkGroups;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->n_chunks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { Work(*job); });
+  Work(*job);
+  while (job->done.load(std::memory_order_acquire) < job->n_chunks) {
+#if defined(__AVX2__)
+    _mm_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatvec, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes [L, K/32, N/8, 32, 8]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [L, K/32, 1, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset like scale (ignored without has_offset)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [..., N]
+                                  .Attr<bool>("has_offset"));

@@ -1,0 +1,151 @@
+"""A CPU kernel for decode's projections on a GGUF's blocks (block_matvec.cc), built on first use.
+
+At batch 1 a decode step reads every weight once. XLA:CPU dequantizes a blocked int8 matrix into float32 before
+its dot (writing and reading four bytes per weight), and its integer dot is no fast path, so decode on the
+GGUF's blocks ran at 0.4-0.5x llama.cpp (docs/speed.md §4). This kernel reads each code once and keeps
+everything else in registers, as llama.cpp does, but in float32 on float32 activations: the same weights'
+products summed in another order (not llama.cpp's int8 activations).
+
+The C++ source ships with the package and is compiled here, for this machine (`-march=native`), into a cache
+directory (RSQR_JAX_CACHE, else $XDG_CACHE_HOME/rsqr_jax, else ~/.cache/rsqr_jax) keyed by the source, the
+jaxlib and the compiler (CXX, else c++), then registered with XLA as an FFI target. Where it cannot be built (no
+compiler, not a CPU backend) `available()` says why and the caller stays on XLA's dequantize-then-dot; RSQR_CPU_KERNEL=0
+turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "rsqr_block_matvec"
+SOURCE = Path(__file__).with_name("block_matvec.cc")
+GROUP = 8  # output columns per tile of the codes' layout ([L, K/32, N/8, 32, 8])
+ROWS_MAX = 8  # rows x of a call that go through the kernel (decode); more (prefill) stay on XLA's dot
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RSQR_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rsqr_jax")
+    return Path(root)
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX") or "c++"
+    return shutil.which(cxx)
+
+
+def _build(cxx: str) -> Path:
+    """The shared library for this source, jaxlib and compiler: compiled once, then reused (written under a
+    temporary name and renamed, so concurrent processes never load a half-written file)."""
+    import jaxlib
+
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(),
+                                     " ".join(flags).encode(), platform.machine().encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"block_matvec-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> str | None:
+    """None when the kernel is registered, else why not (one line)."""
+    if os.environ.get("RSQR_CPU_KERNEL", "1") == "0":
+        return "turned off (RSQR_CPU_KERNEL=0)"
+    if jax.default_backend() != "cpu":
+        return f"the default backend is {jax.default_backend()}, not cpu"
+    cxx = _compiler()
+    if cxx is None:
+        return f"no C++ compiler ({os.environ.get('CXX') or 'c++'}) on PATH"
+    try:
+        _register(str(_build(cxx)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"could not build the CPU kernel: {e}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _register(library: str) -> None:
+    """Register the library's handler with XLA, once per process."""
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(library)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.BlockMatvec), platform="cpu")
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not available (None when it is)."""
+    return _load()
+
+
+def tile_codes(codes: np.ndarray) -> np.ndarray:
+    """Codes [..., K/32, 32, N] (blocks along the input axis) in the kernel's layout [..., K/32, N/8, 32, 8]."""
+    *lead, nb, blk, n = codes.shape
+    if n % GROUP:
+        raise ValueError(f"block_matvec needs output columns in multiples of {GROUP}, got {n}")
+    return np.ascontiguousarray(np.swapaxes(codes.reshape(*lead, nb, blk, n // GROUP, GROUP), -3, -2))
+
+
+def untile_codes(codes: jax.Array) -> jax.Array:
+    """tile_codes undone, inside a jitted step: [..., K/32, N/8, 32, 8] -> [..., K/32, 32, N]."""
+    *lead, nb, g, blk, e = codes.shape
+    return jnp.swapaxes(codes, -3, -2).reshape(*lead, nb, blk, g * e)
+
+
+@jax.custom_batching.custom_vmap
+def _call(x, codes, scale, offset, layer):
+    has_offset = offset is not None
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (codes.shape[2] * GROUP,), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x, codes, scale, offset if has_offset else scale, layer,
+                                         has_offset=has_offset)
+
+
+@_call.def_vmap
+def _call_vmap(axis_size, in_batched, x, codes, scale, offset, layer):
+    """Only x batched (a vmap over policies or streams): its batch is more rows of the same call. Anything else
+    batched: one call per element."""
+    x_batched, *rest = in_batched
+    if not any(jax.tree.leaves(rest)):
+        return _call(x, codes, scale, offset, layer), True
+    args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) if a is not None else None
+            for a, b in zip((x, codes, scale, offset, layer), (x_batched, *rest))]
+    return jax.lax.map(lambda a: _call(*a), tuple(args)), True
+
+
+def block_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
+                 layer: jax.Array) -> jax.Array:
+    """x [..., K] @ the dequantized matrix `layer` of a stack: float32 [..., N]. codes int8 [L, K/32, N/8, 32, 8]
+    (tile_codes), scale and offset float32 [L, K/32, 1, N] (offset None: Q4_0 / Q8_0), layer an int32 scalar.
+    Builds the kernel on the first call; RuntimeError (its reason) where it cannot (check `available()`)."""
+    if (reason := _load()) is not None:
+        raise RuntimeError(f"block_matvec: {reason}")
+    return _call(x.astype(jnp.float32), codes, scale, offset, jnp.asarray(layer, jnp.int32))
