@@ -76,21 +76,35 @@ def test_kernel_under_vmap_and_jit():
     np.testing.assert_array_equal(np.asarray(jax.vmap(lambda i: one(xb[0], i))(jnp.arange(4))), per_layer)
 
 
-def test_model_on_the_kernel_tracks_the_blocks_it_holds(tmp_path):
-    """A tiny Q4_1 GGUF read in the kernel's layout: the same weights; a prompt (XLA's dot) gives the blocks
-    model's logits bit for bit; one-token steps under a bounded policy (the kernel) its logits within float32
-    rounding."""
-    spec = TinySpec(intermediate_size=96, seed=6)
-    path = write_tiny_gguf(build_hf_model(spec), spec, tmp_path / "q.gguf",
-                           quant={"layers": gguf.GGMLQuantizationType.Q4_1, "embed": gguf.GGMLQuantizationType.Q8_0})
+Q = gguf.GGMLQuantizationType
+MODELS = {  # a tied Q8_0 embedding (the output matrix too), or an untied Q4_0 output matrix
+    "tied": (TinySpec(intermediate_size=96, seed=6), {"layers": Q.Q4_1, "embed": Q.Q8_0}),
+    "untied": (TinySpec(intermediate_size=96, tie_word_embeddings=False, seed=7),
+               {"layers": Q.Q4_0, "embed": Q.Q8_0, "output": Q.Q4_0}),
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_model_on_the_kernel_tracks_the_blocks_it_holds(tmp_path, model):
+    """A tiny quantized GGUF read in the kernel's layout: the same weights (the output matrix too); a prompt (XLA's
+    dot) gives the blocks model's logits (bit for bit where the output matrix is untied); one-token steps under a bounded policy (the kernel) its
+    logits within float32 rounding."""
+    spec, quant = MODELS[model]
+    path = write_tiny_gguf(build_hf_model(spec), spec, tmp_path / "q.gguf", quant=quant)
     kern, blocks = read_model(str(path), blocks=True, tiled=True), read_model(str(path), blocks=True)
     assert kern.weight_format == "kernel" and blocks.weight_format == "blocks"
-    assert kern.model.wq.get_value().tiled and not kern.model.embed.get_value().tiled
-    for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+    tiled = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} | ({"embed"} if model == "tied" else {"lm_head"})
+    for n in tiled | {"embed"}:  # the same values, the tied embedding held as its transpose
+        w = getattr(kern.model, n).get_value()
+        assert w.tiled == (n in tiled), n
         np.testing.assert_array_equal(np.asarray(kern.model.weight(n)), np.asarray(blocks.model.weight(n)), err_msg=n)
     seed = drawn_seed("kernel tiny logits")
     ids = np.random.default_rng(seed).integers(3, kern.config.vocab_size, (1, 24))
-    np.testing.assert_array_equal(forward_logits(kern, ids), forward_logits(blocks, ids), err_msg=f"seed {seed}")
+    prompt = forward_logits(kern, ids), forward_logits(blocks, ids)
+    if model == "untied":  # the layers' and the output matrix's dots are XLA's on the same dequantized values
+        np.testing.assert_array_equal(*prompt, err_msg=f"seed {seed}")
+    else:  # the tied output matrix is dotted as the transpose the kernel holds: XLA may sum it in another order
+        np.testing.assert_allclose(*prompt, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
     pol = rj.rsqr(8, 2, 4, 4)  # bounded: evictions and survivors within the 24 steps
     spec = CacheSpec.for_policies(pol, dims=kern.config, batch=1, max_chunk=1, max_len=64)
     logits = []
@@ -120,6 +134,9 @@ def test_turned_off_or_unbuildable_kernel_falls_back_with_a_reason(monkeypatch, 
         x = jnp.asarray(rng.standard_normal((1, 64)).astype(np.float32))
         np.testing.assert_array_equal(np.asarray(BW.matmul(x, BW.StackedLayer(w, jnp.int32(1)))),
                                       np.asarray(BW.matmul(x, jax.tree.map(lambda a: a[1], w).dense())))
+        head = BW.BlockWeights.from_blocks(codes[0, :, :, :8].reshape(8, 64), scale[0, :, 0, :8].T.copy(), None, -1)
+        np.testing.assert_array_equal(np.asarray(BW.logits(x, head.to_tiled(), jnp.float32)),
+                                      np.asarray(BW.logits(x, head, jnp.float32)))
         proc = run_script("decode.py", "--weight-format", "kernel", "--prompt", "hi",
                           env={**script_env(), "RSQR_CPU_KERNEL": "0"})
         assert_one_line_error(proc, "--weight-format kernel: turned off (RSQR_CPU_KERNEL=0)")

@@ -33,8 +33,9 @@ class BlockWeights:
 
     Held with that axis split in two, (n / 32, 32), the layout XLA:CPU dequantizes fastest inside a step:
     codes: int8 [..., n / 32, 32, ...]; scale: float32 [..., n / 32, 1, ...]; offset: float32 like scale (Q4_1's
-    minimum), or None (Q4_0, Q8_0). tiled (static; matrices [..., in, out] only): codes in the CPU kernel's layout
-    [..., in / 32, out / 8, 32, 8] (rsqr_jax.kernels.block_matvec), which `matmul` sends decode rows through."""
+    minimum), or None (Q4_0, Q8_0). tiled (static): codes in the CPU kernel's layout [..., in / 32, out / 8, 32, 8],
+    scale and offset [..., in / 32, 1, out] (rsqr_jax.kernels.block_matvec), which `matmul` and `logits` send decode
+    rows through; an embedding [V, H] tiled is held as its transpose [H, V] (`to_tiled`)."""
 
     codes: jax.Array
     scale: jax.Array
@@ -50,12 +51,19 @@ class BlockWeights:
         return cls(split(codes, BLOCK), split(scale, 1), None if offset is None else split(offset, 1), block_axis)
 
     def to_tiled(self) -> "BlockWeights":
-        """This matrix (stack) with its codes in the CPU kernel's layout (host arrays; the values unchanged)."""
-        if self.block_axis != -2 or self.tiled:
-            raise ValueError("to_tiled() needs an untiled matrix blocked along its input axis")
+        """This weight with its codes in the CPU kernel's layout (host arrays; the values unchanged): a matrix
+        (stack) [..., in, out] as it is; an output matrix [V, H] held row-wise (block_axis -1, the tied embedding)
+        as its transpose [H, V], so that h @ w.T is the kernel's x @ W."""
         from rsqr_jax.kernels.block_matvec import tile_codes
 
-        return BlockWeights(tile_codes(np.asarray(self.codes)), self.scale, self.offset, -2, tiled=True)
+        if self.tiled:
+            raise ValueError("to_tiled(): already tiled")
+        if self.block_axis == -2:
+            return BlockWeights(tile_codes(np.asarray(self.codes)), self.scale, self.offset, -2, tiled=True)
+        if self.codes.ndim != 3:
+            raise ValueError("to_tiled() takes one row-wise output matrix [V, H / 32, 32], not a stack")
+        t = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a).transpose(1, 2, 0))  # noqa: E731
+        return BlockWeights(tile_codes(t(self.codes)), t(self.scale), t(self.offset), -1, tiled=True)
 
     def _untiled_codes(self) -> jax.Array:
         if not self.tiled:
@@ -69,7 +77,8 @@ class BlockWeights:
         """The weight's shape (the block axis whole)."""
         c = self.codes.shape
         if self.tiled:
-            return c[:-4] + (c[-4] * c[-2], c[-3] * c[-1])
+            in_out = (c[-4] * c[-2], c[-3] * c[-1])
+            return c[:-4] + (in_out if self.block_axis == -2 else in_out[::-1])
         ax = self.block_axis % (len(c) - 1)
         return c[:ax] + (c[ax] * c[ax + 1],) + c[ax + 2:]
 
@@ -78,14 +87,31 @@ class BlockWeights:
         w = self._untiled_codes().astype(jnp.float32) * self.scale
         if self.offset is not None:
             w = w + self.offset
+        if self.tiled and self.block_axis == -1:  # held as its transpose
+            return w.reshape(self.shape[::-1]).T.astype(dtype)
         return w.reshape(self.shape).astype(dtype)
 
     def rows(self, index, dtype=jnp.float32) -> jax.Array:
         """Rows `index` of a weight blocked along its last axis (the embedding), dequantized: [*index.shape, H]."""
         if self.block_axis != -1:
             raise ValueError("rows() needs a weight blocked along its last axis (the embedding)")
+        if self.tiled:  # row v of [V, H] is column v of the tiled transpose: codes [H/32, V/8, 32, 8]
+            idx = jnp.asarray(index)
+            pick = lambda a: None if a is None else jnp.moveaxis(a[:, 0, idx], 0, -1)[..., None]  # noqa: E731
+            codes = self.codes[:, idx // 8, :, idx % 8]  # [*index, H/32, 32]
+            w = codes.astype(jnp.float32) * pick(self.scale)
+            if self.offset is not None:
+                w = w + pick(self.offset)
+            return w.reshape(idx.shape + (-1,)).astype(dtype)
         take = lambda a: None if a is None else jnp.take(a, index, axis=0)  # noqa: E731
         return BlockWeights(take(self.codes), take(self.scale), take(self.offset), -1).dense(dtype)
+
+
+def _kernel_rows(x: jax.Array) -> bool:
+    """Whether x's rows go through the CPU kernel: a decode step's few rows, the kernel built."""
+    from rsqr_jax.kernels import block_matvec as BM
+
+    return int(np.prod(x.shape[:-1])) <= BM.ROWS_MAX and BM.available()
 
 
 def logits(h: jax.Array, w, dtype) -> jax.Array:
@@ -93,16 +119,27 @@ def logits(h: jax.Array, w, dtype) -> jax.Array:
 
     A BlockWeights is dequantized a chunk of rows at a time under a loop: XLA:CPU would otherwise write the
     whole [V, H] float32 matrix to memory at every step before reading it back (four times the bytes of its
-    codes). Chunks of rows do not change a logit: each is the same H-long dot."""
+    codes). Chunks of rows do not change a logit: each is the same H-long dot. Held tiled (BlockWeights.to_tiled),
+    a decode step's rows go through the CPU kernel instead."""
     dot = lambda a, b: jax.lax.dot_general(a, b, (((a.ndim - 1,), (1,)), ((), ())),  # noqa: E731
                                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if not isinstance(w, BlockWeights):
         return dot(h, w)
-    V = w.codes.shape[0]
-    rows = next((r for r in range(min(V, 4096), 0, -1) if V % r == 0), V)  # the largest chunk <= 4096 dividing V
+    if w.tiled and _kernel_rows(h):
+        from rsqr_jax.kernels import block_matvec as BM
+
+        return BM.block_matvec(h, w.codes[None], w.scale[None], None if w.offset is None else w.offset[None], 0)
+    V = w.shape[0]
+    rows = next((r for r in range(min(V, 4096), 0, -1) if V % r == 0 and r % 8 == 0), V)  # <= 4096, dividing V
     if rows < 256:  # no useful divisor: one piece
         return dot(h, w.dense(dtype))
-    chunked = jax.tree.map(lambda a: a.reshape((V // rows, rows) + a.shape[1:]), w)
+    if w.tiled:  # chunks of the transpose's columns: codes [H/32, V/8, 32, 8] -> [V / rows, H/32, rows / 8, 32, 8]
+        n = V // rows
+        chunked = BlockWeights(jnp.moveaxis(w.codes.reshape(w.codes.shape[0], n, rows // 8, 32, 8), 1, 0),
+                               *(None if a is None else jnp.moveaxis(a.reshape(a.shape[0], 1, n, rows), 2, 0)
+                                 for a in (w.scale, w.offset)), -1, tiled=True)
+    else:
+        chunked = jax.tree.map(lambda a: a.reshape((V // rows, rows) + a.shape[1:]), w)
     out = jax.lax.map(lambda part: dot(h, part.dense(dtype)), chunked)  # [V / rows, ..., rows]
     return jnp.moveaxis(out, 0, -2).reshape(h.shape[:-1] + (V,))
 
@@ -134,12 +171,14 @@ def matmul(x: jax.Array, w) -> jax.Array:
     """x @ w in x's dtype (float32 accumulation): w an array, a BlockWeights (dequantized inside the step, then
     XLA's dot) or a StackedLayer, whose decode rows (at most block_matvec.ROWS_MAX of them, when the kernel is
     built) go through the CPU kernel (the same products summed in another order) and a prompt's through XLA."""
-    if isinstance(w, StackedLayer):
-        from rsqr_jax.kernels import block_matvec as BM
+    from rsqr_jax.kernels import block_matvec as BM
 
-        if int(np.prod(x.shape[:-1])) <= BM.ROWS_MAX and BM.available():
-            s = w.stack
-            return BM.block_matvec(x, s.codes, s.scale, s.offset, w.layer).astype(x.dtype)
+    if isinstance(w, StackedLayer) and _kernel_rows(x):
+        s = w.stack
+        return BM.block_matvec(x, s.codes, s.scale, s.offset, w.layer).astype(x.dtype)
+    if isinstance(w, BlockWeights) and w.tiled and w.codes.ndim == 4 and _kernel_rows(x):  # one matrix
+        return BM.block_matvec(x, w.codes[None], w.scale[None], None if w.offset is None else w.offset[None],
+                               0).astype(x.dtype)
     return jnp.dot(x, dense(w, x.dtype), precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32).astype(x.dtype)
 

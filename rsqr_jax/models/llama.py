@@ -175,8 +175,12 @@ class Llama(nnx.Module):
             # the whole [V, H] matrix transposed at every step)
             logits = tied_logits(h, embed, self.dtype)
         else:
-            logits = jnp.dot(h, dense(self.lm_head.get_value(), self.dtype), precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
+            head = self.lm_head.get_value()
+            if isinstance(head, BlockWeights) and head.tiled:  # decode rows through the CPU kernel
+                logits = blocks_matmul(h.astype(jnp.float32), head)
+            else:
+                logits = jnp.dot(h, dense(head, self.dtype), precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=jnp.float32)
         logits = softcap(logits, cfg.final_logit_softcap)
         return (logits, cache, qk) if capture_qk else (logits, cache)
 
@@ -271,8 +275,8 @@ class LoadedModel:
 
 def read_model(path: str, dtype: str = "float32", *, blocks: bool = False, tiled: bool = False) -> LoadedModel:
     """A LoadedModel read from `path` (not cached: `load_model` is what applications call). blocks: keep a GGUF's
-    Q4_0 / Q4_1 / Q8_0 matrices as BlockWeights; tiled: the layer matrices among them in the CPU kernel's layout
-    (BlockWeights.to_tiled; the embedding and output matrix stay as they are).
+    Q4_0 / Q4_1 / Q8_0 matrices as BlockWeights; tiled: the layer matrices and the output matrix (the tied
+    embedding) among them in the CPU kernel's layout (BlockWeights.to_tiled).
 
     Each canonical tensor goes to the device as soon as it is read (on CPU `jax.device_put` adopts the
     loader's 64-byte aligned buffer; elsewhere it copies, and the wait drops the host copy before the next
@@ -285,7 +289,9 @@ def read_model(path: str, dtype: str = "float32", *, blocks: bool = False, tiled
     weights, held = {}, set()
     for name, w in iter_weights(path, config, blocks=blocks):
         if isinstance(w, BlockWeights):
-            if tiled and name in layer_keys(config) and w.shape[-1] % GROUP == 0:
+            tie = name == "embed" and config.tie_word_embeddings  # the embedding is also the output matrix
+            out_columns = w.shape[0 if tie else -1]
+            if tiled and (name in layer_keys(config) or name == "lm_head" or tie) and out_columns % GROUP == 0:
                 w = w.to_tiled()
             held.add("kernel" if w.tiled else "blocks")
             w = jax.tree.map(jax.device_put, w)
