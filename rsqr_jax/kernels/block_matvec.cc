@@ -30,7 +30,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;      // inputs per block
 constexpr int64_t kGroup = 8;       // output columns per tile
-constexpr int64_t kChunkGroups = 8; // tiles per unit of work (64 columns)
+constexpr int64_t kThreadedWork = 1 << 18;  // rows x weights below which one thread does it all
 
 struct Job {
   const float* x;
@@ -38,7 +38,7 @@ struct Job {
   const float* scale;
   const float* offset;  // nullptr: no offset (Q4_0, Q8_0)
   float* y;
-  int64_t M, K, N, n_chunks;
+  int64_t M, K, N, n_chunks, chunk_groups;
   std::atomic<int64_t> next{0}, done{0};
 };
 
@@ -114,7 +114,7 @@ void Columns(const Job& j, int64_t g0, int64_t g1) {
 void Work(Job& j) {
   const int64_t G = j.N / kGroup;
   for (int64_t c; (c = j.next.fetch_add(1)) < j.n_chunks;) {
-    Columns(j, c * kChunkGroups, std::min(G, (c + 1) * kChunkGroups));
+    Columns(j, c * j.chunk_groups, std::min(G, (c + 1) * j.chunk_groups));
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -139,8 +139,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   job->M = x.element_count() / K;
   job->K = K;
   job->N = N;
-  job->n_chunks = (N / kGroup + kChunkGroups - 1) / kChunkGroups;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->n_chunks) - 1;
+  // One contiguous run of columns per thread: per block, each reads one stretch of codes (a run per block of
+  // 64 columns each, claimed in turn, measured slower: short strided reads).
+  // A small matrix on the calling thread alone: waking a helper costs more than it saves.
+  const int64_t threads = job->M * K * N < kThreadedWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), N / kGroup));
+  job->chunk_groups = (N / kGroup + threads - 1) / threads;
+  job->n_chunks = (N / kGroup + job->chunk_groups - 1) / job->chunk_groups;
+  const int64_t helpers = job->n_chunks - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { Work(*job); });
   Work(*job);
   while (job->done.load(std::memory_order_acquire) < job->n_chunks) {
