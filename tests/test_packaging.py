@@ -43,6 +43,7 @@ def test_wheel_holds_every_module_under_one_import_name(wheel):
     assert in_checkout and in_checkout == in_wheel, sorted(in_checkout ^ in_wheel)
     assert "rsqr_jax/data/frankenstein.txt" in names
     assert "rsqr_jax/data/licenses/GPL-3" in names  # the second filler ships too
+    assert "rsqr_jax/kernels/block_matvec.cc" in names  # the CPU kernel's source, compiled on first use
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     for command, target in [("rsqr-decode", "rsqr_jax.cli.decode:run"), ("rsqr-eval-stream", "rsqr_jax.cli.eval_stream:run"),
                             ("rsqr-eval-tasks", "rsqr_jax.cli.eval_tasks:run")]:
@@ -71,7 +72,8 @@ def test_wheel_in_a_fresh_environment_runs_the_readme_example_and_decode_outside
     assert proc.returncode == 0, proc.stderr[-3000:]
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # a cache of its own: the installed copy's kernel source is compiled here, not a build from the checkout reused
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"RSQR_JAX_CACHE": str(tmp_path / "cache")}
 
     def run(*cmd, **kw):
         return subprocess.run([str(c) for c in cmd], cwd=work, env=env, capture_output=True, text=True, timeout=900, **kw)
@@ -82,6 +84,10 @@ def test_wheel_in_a_fresh_environment_runs_the_readme_example_and_decode_outside
     location, stray = probe.stdout.splitlines()
     assert location.startswith(purelib) and stray == "[]", probe.stdout
 
+    if shutil.which("c++"):  # the kernel builds from the installed source and is what decode runs on
+        kernel = run(py, "-c", "from rsqr_jax.kernels import block_matvec as B; print(B.unavailable_reason())")
+        assert kernel.returncode == 0 and kernel.stdout.strip() == "None", kernel.stdout + kernel.stderr[-2000:]
+        assert list((tmp_path / "cache").glob("block_matvec-*.so"))
     (work / "example.py").write_text(readme_library_example())
     example = run(py, "example.py")
     assert example.returncode == 0, example.stderr[-3000:]
