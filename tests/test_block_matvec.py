@@ -62,16 +62,22 @@ def test_kernel_equals_the_dequantized_product(K, N, M, offset):
 
 
 def test_kernel_under_vmap_and_jit():
-    """A batched x is more rows of one call; a batched layer index runs one call per element; both equal the
-    unbatched calls, jitted or not."""
+    """A batched x is more rows of one call (up to ROWS_MAX; more take XLA's dot); a batched layer index runs one call
+    per element; each equals the unbatched calls, jitted or not."""
     seed = drawn_seed("block_matvec vmap")
     rng = np.random.default_rng(seed)
     codes, scale, off = _stack(rng, 4, 64, 48, True)
     args = jnp.asarray(BM.tile_codes(codes)), jnp.asarray(scale), jnp.asarray(off)
-    xb = jnp.asarray(rng.standard_normal((5, 2, 64)).astype(np.float32))
+    xb = jnp.asarray(rng.standard_normal((BM.ROWS_MAX // 2, 2, 64)).astype(np.float32))  # ROWS_MAX rows in all
     one = lambda x, layer: BM.block_matvec(x, *args, layer)  # noqa: E731
-    lone = np.stack([np.asarray(one(xb[i], 2)) for i in range(5)])
+    lone = np.stack([np.asarray(one(x, 2)) for x in xb])
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(lambda x: one(x, 2)))(xb)), lone)
+    # more rows than a decode step's: XLA's dequantize-then-dot, the same as a dot of the dequantized matrix
+    many = jnp.asarray(rng.standard_normal((3 * BM.ROWS_MAX, 1, 64)).astype(np.float32))
+    got = np.asarray(jax.jit(jax.vmap(lambda x: one(x, 2)))(many))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(lambda m: BM.xla_matvec(m, *args, 2))(many)))
+    w64 = (codes[2].astype(np.float64) * scale[2] + off[2]).reshape(64, 48)
+    np.testing.assert_allclose(got, np.asarray(many, np.float64) @ w64, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
     per_layer = np.stack([np.asarray(one(xb[0], i)) for i in range(4)])
     np.testing.assert_array_equal(np.asarray(jax.vmap(lambda i: one(xb[0], i))(jnp.arange(4))), per_layer)
 
@@ -169,3 +175,35 @@ def test_bench_weights_compares_the_kernel_with_the_other_formats(tmp_path):
     assert set(micro["stack_ms"]) == {"dense", "blocks", "kernel"} and min(micro["stack_ms"].values()) > 0
     assert micro["bytes"]["kernel"] == micro["bytes"]["blocks"] < 0.35 * micro["bytes"]["dense"]
     assert "| kernel |" in proc.stdout
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_plain_paths_equal_the_dequantized_product(tmp_path, march):
+    """The kernel's source built for machines without AVX-512 (x86-64-v3: its AVX2 path; x86-64: its plain loop),
+    registered under a name of its own: the same oracle as the path this machine runs."""
+    import ctypes
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 and plain x86-64 builds need an x86-64 machine")
+    lib = tmp_path / f"block_matvec_{march}.so"
+    proc = subprocess.run(["c++", "-O2", f"-march={march}", "-std=c++17", "-shared", "-fPIC", "-w",
+                           f"-I{jax.ffi.include_dir()}", str(BM.SOURCE), "-o", str(lib)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    target = f"rsqr_block_matvec_test_{march.replace('-', '_')}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).BlockMatvec),
+                                platform="cpu")
+    seed = drawn_seed(f"block_matvec {march}")
+    rng = np.random.default_rng(seed)
+    K, N, M = 96, 72, 3
+    codes, scale, off = _stack(rng, 2, K, N, True)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    for offset in (off, None):
+        got = np.asarray(jax.ffi.ffi_call(target, out)(jnp.asarray(x), jnp.asarray(BM.tile_codes(codes)),
+                                                       jnp.asarray(scale), jnp.asarray(scale if offset is None else offset),
+                                                       jnp.int32(1), has_offset=offset is not None))
+        w = codes[1].astype(np.float64) * scale[1] + (0.0 if offset is None else offset[1])
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.reshape(K, N), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"seed {seed}")

@@ -12,7 +12,8 @@
 // the dequantized weights' products, regrouped per block (float32 throughout; the sum's order is not XLA's, so
 // the result is the float32 dot's within rounding, not bit for bit). Work is split over column chunks that the
 // caller and XLA's intra-op threads claim from a shared counter: the caller never waits on a task that has not
-// started (two projections may run at once on a two-thread pool).
+// started (two projections may run at once on a two-thread pool). With AVX-512 a tile's codes are converted once
+// for up to 8 rows; the AVX2 path and the plain loop (other machines) take one row at a time.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -45,38 +46,60 @@ struct Job {
 // Output columns [8 g0, 8 g1) of every row.
 void Columns(const Job& j, int64_t g0, int64_t g1) {
   const int64_t nb = j.K / kBlock, G = j.N / kGroup;
+  for (int64_t m = 0; m < j.M; ++m) std::fill(j.y + m * j.N + g0 * kGroup, j.y + m * j.N + g1 * kGroup, 0.0f);
+#if defined(__AVX512F__)
+  // Rows in groups of up to kRows: each tile's codes are converted once and used for every row of the group.
+  constexpr int64_t kRows = 8;
+  for (int64_t m0 = 0; m0 < j.M; m0 += kRows) {
+    const int64_t rows = std::min(kRows, j.M - m0);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 xv[kRows][kBlock / 2];  // per row: inputs 2i and 2i + 1 of the block, 8 lanes each
+      float xsum[kRows];
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xb = j.x + (m0 + r) * j.K + b * kBlock;
+        xsum[r] = 0.0f;
+        for (int i = 0; i < kBlock; ++i) xsum[r] += xb[i];
+        for (int i = 0; i < kBlock / 2; ++i)
+          xv[r][i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(xb[2 * i])), _mm256_set1_ps(xb[2 * i + 1]), 1);
+      }
+      const float* sb = j.scale + b * j.N;
+      const float* ob = j.offset ? j.offset + b * j.N : nullptr;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int8_t* c = j.codes + (b * G + g) * kBlock * kGroup;
+        __m512 w[kBlock / 2];
+        for (int i = 0; i < kBlock / 2; ++i)
+          w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i))));
+        const __m256 s = _mm256_loadu_ps(sb + g * kGroup);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 a0 = _mm512_mul_ps(xv[r][0], w[0]), a1 = _mm512_mul_ps(xv[r][1], w[1]);
+          __m512 a2 = _mm512_mul_ps(xv[r][2], w[2]), a3 = _mm512_mul_ps(xv[r][3], w[3]);
+          for (int i = 4; i < kBlock / 2; i += 4) {
+            a0 = _mm512_fmadd_ps(xv[r][i], w[i], a0);
+            a1 = _mm512_fmadd_ps(xv[r][i + 1], w[i + 1], a1);
+            a2 = _mm512_fmadd_ps(xv[r][i + 2], w[i + 2], a2);
+            a3 = _mm512_fmadd_ps(xv[r][i + 3], w[i + 3], a3);
+          }
+          const __m512 a = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+          const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+          float* yo = j.y + (m0 + r) * j.N + g * kGroup;
+          __m256 o = _mm256_fmadd_ps(s, h, _mm256_loadu_ps(yo));
+          if (ob) o = _mm256_fmadd_ps(_mm256_loadu_ps(ob + g * kGroup), _mm256_set1_ps(xsum[r]), o);
+          _mm256_storeu_ps(yo, o);
+        }
+      }
+    }
+  }
+#else
   for (int64_t m = 0; m < j.M; ++m) {
     const float* xm = j.x + m * j.K;
     float* ym = j.y + m * j.N;
-    std::fill(ym + g0 * kGroup, ym + g1 * kGroup, 0.0f);
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = xm + b * kBlock;
       float xsum = 0.0f;
       for (int i = 0; i < kBlock; ++i) xsum += xb[i];
       const float* sb = j.scale + b * j.N;
       const float* ob = j.offset ? j.offset + b * j.N : nullptr;
-#if defined(__AVX512F__)
-      __m512 xv[kBlock / 2];  // rows 2i and 2i + 1 of the block, 8 lanes each
-      for (int i = 0; i < kBlock / 2; ++i)
-        xv[i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(xb[2 * i])), _mm256_set1_ps(xb[2 * i + 1]), 1);
-      const __m256 xs = _mm256_set1_ps(xsum);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int8_t* c = j.codes + (b * G + g) * kBlock * kGroup;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < kBlock / 2; i += 4) {
-          a0 = _mm512_fmadd_ps(xv[i], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i)))), a0);
-          a1 = _mm512_fmadd_ps(xv[i + 1], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i + 16)))), a1);
-          a2 = _mm512_fmadd_ps(xv[i + 2], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i + 32)))), a2);
-          a3 = _mm512_fmadd_ps(xv[i + 3], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * i + 48)))), a3);
-        }
-        const __m512 a = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-        const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-        float* yo = ym + g * kGroup;
-        __m256 o = _mm256_fmadd_ps(_mm256_loadu_ps(sb + g * kGroup), s, _mm256_loadu_ps(yo));
-        if (ob) o = _mm256_fmadd_ps(_mm256_loadu_ps(ob + g * kGroup), xs, o);
-        _mm256_storeu_ps(yo, o);
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
       __m256 xv[kBlock];
       for (int i = 0; i < kBlock; ++i) xv[i] = _mm256_set1_ps(xb[i]);
       const __m256 xs = _mm256_set1_ps(xsum);
@@ -109,6 +132,7 @@ void Columns(const Job& j, int64_t g0, int64_t g1) {
 #endif
     }
   }
+#endif
 }
 
 void Work(Job& j) {

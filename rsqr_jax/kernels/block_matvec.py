@@ -131,14 +131,33 @@ def _call(x, codes, scale, offset, layer):
 
 @_call.def_vmap
 def _call_vmap(axis_size, in_batched, x, codes, scale, offset, layer):
-    """Only x batched (a vmap over policies or streams): its batch is more rows of the same call. Anything else
-    batched: one call per element."""
+    """Only x batched (a vmap over policies or streams): its batch is more rows of the same call, as long as they
+    are a decode step's few (ROWS_MAX); more rows take XLA's dequantize-then-dot (the kernel re-reads the codes for
+    every row). Anything else batched: one call per element."""
     x_batched, *rest = in_batched
     if not any(jax.tree.leaves(rest)):
-        return _call(x, codes, scale, offset, layer), True
+        if x.size // x.shape[-1] <= ROWS_MAX:
+            return _call(x, codes, scale, offset, layer), True
+        return xla_matvec(x, codes, scale, offset, layer), True
     args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) if a is not None else None
             for a, b in zip((x, codes, scale, offset, layer), (x_batched, *rest))]
     return jax.lax.map(lambda a: _call(*a), tuple(args)), True
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
+    """A tiled matrix (stack) as float32 [..., K, N], inside a jitted step: codes * scale (+ offset), the float32
+    path's values bit for bit (rsqr_jax.models.blocks)."""
+    w = untile_codes(codes).astype(jnp.float32) * scale
+    if offset is not None:
+        w = w + offset
+    return w.reshape(w.shape[:-3] + (w.shape[-3] * w.shape[-2], w.shape[-1]))
+
+
+def xla_matvec(x, codes, scale, offset, layer) -> jax.Array:
+    """What block_matvec computes, by XLA: matrix `layer` dequantized, then XLA's dot (float32 [..., N])."""
+    pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+    return jnp.dot(x.astype(jnp.float32), dequantize(pick(codes), pick(scale), pick(offset)),
+                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def block_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,

@@ -65,13 +65,6 @@ class BlockWeights:
         t = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a).transpose(1, 2, 0))  # noqa: E731
         return BlockWeights(tile_codes(t(self.codes)), t(self.scale), t(self.offset), -1, tiled=True)
 
-    def _untiled_codes(self) -> jax.Array:
-        if not self.tiled:
-            return self.codes
-        from rsqr_jax.kernels.block_matvec import untile_codes
-
-        return untile_codes(self.codes)
-
     @property
     def shape(self) -> tuple[int, ...]:
         """The weight's shape (the block axis whole)."""
@@ -84,11 +77,14 @@ class BlockWeights:
 
     def dense(self, dtype=jnp.float32) -> jax.Array:
         """The weight as `dtype` (float32 arithmetic, cast last: the float32 path's values bit for bit)."""
-        w = self._untiled_codes().astype(jnp.float32) * self.scale
+        if self.tiled:
+            from rsqr_jax.kernels.block_matvec import dequantize
+
+            w = dequantize(self.codes, self.scale, self.offset)  # [..., in, out]
+            return (w.T if self.block_axis == -1 else w).astype(dtype)  # -1: held as its transpose
+        w = self.codes.astype(jnp.float32) * self.scale
         if self.offset is not None:
             w = w + self.offset
-        if self.tiled and self.block_axis == -1:  # held as its transpose
-            return w.reshape(self.shape[::-1]).T.astype(dtype)
         return w.reshape(self.shape).astype(dtype)
 
     def rows(self, index, dtype=jnp.float32) -> jax.Array:
