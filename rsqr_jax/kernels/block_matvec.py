@@ -1,14 +1,15 @@
 """A CPU kernel for decode's projections on a GGUF's blocks (block_matvec.cc), built on first use.
 
 At batch 1 a decode step reads every weight once. XLA:CPU dequantizes a blocked int8 matrix into float32 before
-its dot (writing and reading four bytes per weight), and its integer dot is no fast path, so decode on the
-GGUF's blocks ran at 0.4-0.5x llama.cpp (docs/speed.md §4). This kernel reads each code once and keeps
+its dot (writing and reading four bytes per weight), and its integer dot is no fast path, so holding the GGUF's
+blocks gained decode only 1.2-1.4x over float32 weights (docs/speed.md §4, `blocks`). This kernel reads each code once and keeps
 everything else in registers, as llama.cpp does, but in float32 on float32 activations: the same weights'
 products summed in another order (not llama.cpp's int8 activations).
 
 The C++ source ships with the package and is compiled here, for this machine (`-march=native`), into a cache
 directory (RSQR_JAX_CACHE, else $XDG_CACHE_HOME/rsqr_jax, else ~/.cache/rsqr_jax) keyed by the source, the
-jaxlib and the compiler (CXX, else c++), then registered with XLA as an FFI target. Where it cannot be built (no
+jaxlib, the compiler (CXX, else c++) and the CPU's instruction sets (a cache shared between machines never hands
+one a library built for another's), then registered with XLA as an FFI target. Where it cannot be built (no
 compiler, not a CPU backend) `available()` says why and the caller stays on XLA's dequantize-then-dot; RSQR_CPU_KERNEL=0
 turns it off.
 """
@@ -45,6 +46,16 @@ def _compiler() -> str | None:
     return shutil.which(cxx)
 
 
+def _cpu_features() -> bytes:
+    """The CPU's instruction-set flags (Linux's /proc/cpuinfo; elsewhere the processor's name): -march=native builds
+    for them."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
 def _build(cxx: str) -> Path:
     """The shared library for this source, jaxlib and compiler: compiled once, then reused (written under a
     temporary name and renamed, so concurrent processes never load a half-written file)."""
@@ -52,7 +63,8 @@ def _build(cxx: str) -> Path:
 
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(),
-                                     " ".join(flags).encode(), platform.machine().encode()])).hexdigest()[:16]
+                                     " ".join(flags).encode(), platform.machine().encode(), _cpu_features()])
+                         ).hexdigest()[:16]
     out = _cache_dir() / f"block_matvec-{key}.so"
     if out.is_file():
         return out
