@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result["micro"][flags] = json.loads(child.stdout)["micro"]["default"]
     if not args.no_decode:
-        ids = read_tokens(models['dense'].tokenizer, config.text, max(config.cached) + 64).tolist()
+        ids = read_tokens(models["dense"].tokenizer, config.text, max(config.cached) + 64).tolist()
         result["decode"] = WT.decode(models, config, ids)
     result["micro"] = {k: v for k, v in result["micro"].items() if "error" not in v} | \
         {k: v for k, v in result["micro"].items() if "error" in v}

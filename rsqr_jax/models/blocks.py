@@ -121,10 +121,8 @@ def logits(h: jax.Array, w, dtype) -> jax.Array:
                                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if not isinstance(w, BlockWeights):
         return dot(h, w)
-    if w.tiled and _kernel_rows(h):
-        from rsqr_jax.kernels import block_matvec as BM
-
-        return BM.block_matvec(h, w.codes[None], w.scale[None], None if w.offset is None else w.offset[None], 0)
+    if w.tiled and _kernel_rows(h):  # held as its transpose: h @ w.T is h @ the held [H, V] matrix
+        return matmul(h.astype(jnp.float32), dataclasses.replace(w, block_axis=-2))
     V = w.shape[0]
     rows = next((r for r in range(min(V, 4096), 0, -1) if V % r == 0 and r % 8 == 0), V)  # <= 4096, dividing V
     if rows < 256:  # no useful divisor: one piece
@@ -149,10 +147,6 @@ class StackedLayer:
     stack: BlockWeights
     layer: jax.Array
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
     def dense(self, dtype=jnp.float32) -> jax.Array:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False),
                             self.stack).dense(dtype)
@@ -169,12 +163,10 @@ def matmul(x: jax.Array, w) -> jax.Array:
     built) go through the CPU kernel (the same products summed in another order) and a prompt's through XLA."""
     from rsqr_jax.kernels import block_matvec as BM
 
-    if isinstance(w, StackedLayer) and _kernel_rows(x):
-        s = w.stack
-        return BM.block_matvec(x, s.codes, s.scale, s.offset, w.layer).astype(x.dtype)
-    if isinstance(w, BlockWeights) and w.tiled and w.codes.ndim == 4 and _kernel_rows(x):  # one matrix
-        return BM.block_matvec(x, w.codes[None], w.scale[None], None if w.offset is None else w.offset[None],
-                               0).astype(x.dtype)
+    one = isinstance(w, BlockWeights) and w.tiled and w.codes.ndim == 4  # one matrix, not a layer stack
+    if (one or isinstance(w, StackedLayer)) and _kernel_rows(x):
+        s, layer = (jax.tree.map(lambda a: a[None], w), 0) if one else (w.stack, w.layer)  # one: a stack of one
+        return BM.block_matvec(x, s.codes, s.scale, s.offset, layer).astype(x.dtype)
     return jnp.dot(x, dense(w, x.dtype), precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32).astype(x.dtype)
 
