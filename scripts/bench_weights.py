@@ -20,7 +20,7 @@ from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, add_model_args, 
 
 def build_parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--formats", default="dense,blocks,kernel,blocks_mixed,blocks_int8", help="comma-separated formats")
+    p.add_argument("--formats", default="dense,blocks,tiled,blocks_mixed,blocks_int8", help="comma-separated formats")
     p.add_argument("--cached", type=int, nargs="+", default=[128, 2048], help="cached-token counts for decode")
     p.add_argument("--new", type=int, default=48, help="tokens decoded per measurement")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements per format (best reported)")
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     from rsqr_jax.kernels import block_matvec
     from rsqr_jax.models.loading import default_model_path
 
-    if "kernel" in config.formats and not block_matvec.available():
-        raise UsageError(f"--formats kernel: {block_matvec.unavailable_reason()} (leave it out of --formats)")
+    if "tiled" in config.formats and not block_matvec.available():
+        raise UsageError(f"--formats tiled: {block_matvec.unavailable_reason()} (leave it out of --formats)")
     path = args.model or default_model_path()
     models = WT.read_models(path, config.formats)
     result = {"config": {"formats": list(config.formats), "cached": list(config.cached), "new": config.new,

@@ -98,7 +98,7 @@ def test_model_on_the_kernel_tracks_the_blocks_it_holds(tmp_path, model):
     spec, quant = MODELS[model]
     path = write_tiny_gguf(build_hf_model(spec), spec, tmp_path / "q.gguf", quant=quant)
     kern, blocks = read_model(str(path), blocks=True, tiled=True), read_model(str(path), blocks=True)
-    assert kern.weight_format == "kernel" and blocks.weight_format == "blocks"
+    assert kern.weight_format == "tiled" and blocks.weight_format == "blocks"
     tiled = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} | ({"embed"} if model == "tied" else {"lm_head"})
     for n in tiled | {"embed"}:  # the same values, the tied embedding held as its transpose
         w = getattr(kern.model, n).get_value()
@@ -127,7 +127,7 @@ def test_model_on_the_kernel_tracks_the_blocks_it_holds(tmp_path, model):
 
 
 def test_turned_off_or_unbuildable_kernel_falls_back_with_a_reason(monkeypatch, tmp_path):
-    """RSQR_CPU_KERNEL=0 or a compiler that fails: one-line reasons; `--weight-format kernel` refuses with it; a
+    """RSQR_CPU_KERNEL=0 or a compiler that fails: one-line reasons; `--weight-format tiled` refuses with it; a
     model in the kernel's layout then runs XLA's dequantize-then-dot (the blocks model's logits bit for bit)."""
     BM._load.cache_clear()
     monkeypatch.setenv("RSQR_CPU_KERNEL", "0")
@@ -143,9 +143,9 @@ def test_turned_off_or_unbuildable_kernel_falls_back_with_a_reason(monkeypatch, 
         head = BW.BlockWeights.from_blocks(codes[0, :, :, :8].reshape(8, 64), scale[0, :, 0, :8].T.copy(), None, -1)
         np.testing.assert_array_equal(np.asarray(BW.logits(x, head.to_tiled(), jnp.float32)),
                                       np.asarray(BW.logits(x, head, jnp.float32)))
-        proc = run_script("decode.py", "--weight-format", "kernel", "--prompt", "hi",
+        proc = run_script("decode.py", "--weight-format", "tiled", "--prompt", "hi",
                           env={**script_env(), "RSQR_CPU_KERNEL": "0"})
-        assert_one_line_error(proc, "--weight-format kernel: turned off (RSQR_CPU_KERNEL=0)")
+        assert_one_line_error(proc, "--weight-format tiled: turned off (RSQR_CPU_KERNEL=0)")
         monkeypatch.setenv("RSQR_CPU_KERNEL", "1")
         monkeypatch.setenv("RSQR_JAX_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
@@ -160,21 +160,21 @@ def test_turned_off_or_unbuildable_kernel_falls_back_with_a_reason(monkeypatch, 
     assert BM.available()
 
 
-def test_bench_weights_compares_the_kernel_with_the_other_formats(tmp_path):
+def test_bench_weights_compares_the_tiled_layout_with_the_other_formats(tmp_path):
     """scripts/bench_weights.py (projections only: the tiny GGUF has no tokenizer) times every format on the same
-    blocks: the kernel's layout reads the blocks' bytes, a third of float32's."""
+    blocks: the tiled layout reads the blocks' bytes, a third of float32's."""
     import json
 
     spec = TinySpec(intermediate_size=96, seed=6)
     path = write_tiny_gguf(build_hf_model(spec), spec, tmp_path / "q.gguf",
                            quant={"layers": gguf.GGMLQuantizationType.Q4_1, "embed": gguf.GGMLQuantizationType.Q8_0})
     proc = run_script("bench_weights.py", "--quick", "--no-decode", "--model", str(path), "--formats",
-                      "dense,blocks,kernel", "--out", str(tmp_path / "out"))
+                      "dense,blocks,tiled", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     micro = json.loads((tmp_path / "out" / "bench_weights.json").read_text())["micro"]["default"]
-    assert set(micro["stack_ms"]) == {"dense", "blocks", "kernel"} and min(micro["stack_ms"].values()) > 0
-    assert micro["bytes"]["kernel"] == micro["bytes"]["blocks"] < 0.35 * micro["bytes"]["dense"]
-    assert "| kernel |" in proc.stdout
+    assert set(micro["stack_ms"]) == {"dense", "blocks", "tiled"} and min(micro["stack_ms"].values()) > 0
+    assert micro["bytes"]["tiled"] == micro["bytes"]["blocks"] < 0.35 * micro["bytes"]["dense"]
+    assert "| tiled |" in proc.stdout
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])

@@ -106,10 +106,10 @@ def test_float_gguf_and_weight_format_choice(tmp_path):
     path = write_tiny_gguf(build_hf_model(spec), spec, tmp_path / "f32.gguf")
     assert read_model(str(path), blocks=True).weight_format == "dense"  # no blocks in the file: dense anyway
     assert load_model(str(path), weight_format="blocks").weight_format == "dense"
-    with pytest.raises(ValueError, match="weight_format must be one of auto, kernel, blocks, dense"):
+    with pytest.raises(ValueError, match="weight_format must be one of auto, tiled, blocks, dense"):
         load_model(str(path), weight_format="int4")
     assert_one_line_errors([("decode.py", ["--weight-format", "int4", "--prompt", "hi"],
-                             "--weight-format must be auto, kernel, blocks or dense")])
+                             "--weight-format must be auto, tiled, blocks or dense")])
 
 
 @pytest.mark.slow
@@ -124,5 +124,5 @@ def test_embedded_model_blocks_equal_dense(smollm2_path):
     np.testing.assert_array_equal(forward_logits(blocks, ids[None]), forward_logits(dense, ids[None]))
     from rsqr_jax.kernels import block_matvec
 
-    auto = "kernel" if block_matvec.available() else "blocks"
+    auto = "tiled" if block_matvec.available() else "blocks"
     assert dataclasses.replace(load_model(smollm2_path), _tokenizer=None).weight_format == auto

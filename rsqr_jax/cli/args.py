@@ -135,10 +135,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel", default="auto",
                    help="attention kernel: xla, pallas, auto (pallas on GPU, xla on CPU), reference")
     g.add_argument("--weight-format", default="auto",
-                   help="kernel: keep a GGUF's 4- and 8-bit blocks as int8 codes and decode through the CPU kernel "
+                   help="tiled: keep a GGUF's 4- and 8-bit blocks as int8 codes in the CPU kernel's tiled layout and decode "
+                   "through that kernel "
                    "(built on first use with the C++ compiler; logits within float32 rounding); blocks: the same "
                    "codes dequantized inside each step (a quarter of the bytes read per token, the same logits as "
-                   "dense); dense: every weight as a --dtype array; auto: kernel on a CPU where it builds, else "
+                   "dense); dense: every weight as a --dtype array; auto: tiled on a CPU where it builds, else "
                    "blocks on a CPU, dense elsewhere")
 
 
@@ -241,13 +242,13 @@ def check_model_args(args) -> None:
         raise UsageError(f"--dtype must be float32 or bfloat16, got {args.dtype!r}")
     if args.kernel not in ("xla", "pallas", "auto", "reference"):
         raise UsageError(f"--kernel must be xla, pallas, auto or reference, got {args.kernel!r}")
-    if getattr(args, "weight_format", "auto") not in ("auto", "kernel", "blocks", "dense"):
-        raise UsageError(f"--weight-format must be auto, kernel, blocks or dense, got {args.weight_format!r}")
-    if getattr(args, "weight_format", "auto") == "kernel":
+    if getattr(args, "weight_format", "auto") not in ("auto", "tiled", "blocks", "dense"):
+        raise UsageError(f"--weight-format must be auto, tiled, blocks or dense, got {args.weight_format!r}")
+    if getattr(args, "weight_format", "auto") == "tiled":
         from rsqr_jax.kernels import block_matvec
 
         if not block_matvec.available():
-            raise UsageError(f"--weight-format kernel: {block_matvec.unavailable_reason()}")
+            raise UsageError(f"--weight-format tiled: {block_matvec.unavailable_reason()}")
     if args.model is not None and not os.path.exists(args.model):
         raise UsageError(f"model not found: {args.model}")
 

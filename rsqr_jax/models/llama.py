@@ -200,7 +200,7 @@ def split_apply(model: Llama, *, kernel: str = "xla", attend: Callable = attend_
     return apply_fn, params
 
 
-WEIGHT_FORMATS = ("auto", "kernel", "blocks", "dense")
+WEIGHT_FORMATS = ("auto", "tiled", "blocks", "dense")
 
 
 @dataclasses.dataclass
@@ -216,7 +216,7 @@ class LoadedModel:
     model: Llama
     path: str
     dtype: str
-    weight_format: str = "dense"  # "blocks" / "kernel" when some matrices are held as a GGUF's blocks (load_model)
+    weight_format: str = "dense"  # "blocks" / "tiled" when some matrices are held as a GGUF's blocks (load_model)
     _tokenizer: object = None
     _split: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -293,7 +293,7 @@ def read_model(path: str, dtype: str = "float32", *, blocks: bool = False, tiled
             out_columns = w.shape[0 if tie else -1]
             if tiled and (name in layer_keys(config) or name == "lm_head" or tie) and out_columns % GROUP == 0:
                 w = w.to_tiled()
-            held.add("kernel" if w.tiled else "blocks")
+            held.add("tiled" if w.tiled else "blocks")
             w = jax.tree.map(jax.device_put, w)
         else:
             w = w if w.dtype == jnp.dtype(dtype) else w.astype(jnp.dtype(dtype))
@@ -301,14 +301,14 @@ def read_model(path: str, dtype: str = "float32", *, blocks: bool = False, tiled
         weights[name] = jax.block_until_ready(w)
         del w
     return LoadedModel(config, Llama(config, weights, dtype=jnp.dtype(dtype)), path, str(jnp.dtype(dtype)),
-                       weight_format="kernel" if "kernel" in held else "blocks" if held else "dense")
+                       weight_format="tiled" if "tiled" in held else "blocks" if held else "dense")
 
 
 @functools.lru_cache(maxsize=1)
 def _load_cached(path: str, dtype: str, weight_format: str) -> LoadedModel:
     """One loaded model per process (a second path, dtype or weight format replaces it: two copies of the
     weights never stay alive through this cache)."""
-    return read_model(path, dtype, blocks=weight_format != "dense", tiled=weight_format == "kernel")
+    return read_model(path, dtype, blocks=weight_format != "dense", tiled=weight_format == "tiled")
 
 
 def load_model(path: str | None = None, dtype: str = "float32", *, weight_format: str = "auto") -> LoadedModel:
@@ -316,10 +316,10 @@ def load_model(path: str | None = None, dtype: str = "float32", *, weight_format
 
     weight_format: "dense" holds every weight as a `dtype` array; "blocks" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 matrices
     as their int8 codes and scales, dequantized inside each step (a quarter of the bytes read per token, the
-    same logits bit for bit; rsqr_jax.models.blocks); "kernel" holds the layer matrices among them for the CPU
-    kernel (rsqr_jax.kernels.block_matvec), which decode rows go through without a dequantized matrix (the same
+    same logits bit for bit; rsqr_jax.models.blocks); "tiled" holds the layer matrices among them in the tiled
+    layout of the CPU kernel (rsqr_jax.kernels.block_matvec), which decode rows go through without a dequantized matrix (the same
     products summed in another order: logits within float32 rounding of the others'; a prompt's rows still take
-    XLA's dot); "auto" (the default) is "kernel" on a CPU where the kernel builds, else "blocks" on a CPU (decode
+    XLA's dot); "auto" (the default) is "tiled" on a CPU where the kernel builds, else "blocks" on a CPU (decode
     there is bound by the bytes of weights read) and "dense" elsewhere. A file without such blocks (an HF
     directory, a float GGUF) loads dense under any setting."""
     from rsqr_jax.kernels import block_matvec
@@ -327,12 +327,12 @@ def load_model(path: str | None = None, dtype: str = "float32", *, weight_format
 
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
-    if weight_format == "kernel" and not block_matvec.available():
-        raise ValueError(f"weight_format 'kernel': {block_matvec.unavailable_reason()}")
+    if weight_format == "tiled" and not block_matvec.available():
+        raise ValueError(f"weight_format 'tiled': {block_matvec.unavailable_reason()}")
     path = default_model_path() if path is None else str(path)
     if weight_format == "auto":
         weight_format = ("dense" if jax.default_backend() != "cpu" else
-                         "kernel" if block_matvec.available() else "blocks")
+                         "tiled" if block_matvec.available() else "blocks")
     return _load_cached(path, str(jnp.dtype(dtype)), weight_format)
 
 

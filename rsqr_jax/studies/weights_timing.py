@@ -7,7 +7,7 @@ XLA:CPU turns a compact format back into numbers. Formats (each a `matmul(x, w)`
 * dense: float32 weights (the GGUF dequantized at load), `x @ W`.
 * blocks: the GGUF's Q4_1 / Q8_0 blocks as int8 codes with float32 scales (rsqr_jax.models.blocks), dequantized
   inside the step, then `x @ W`: the float32 path's logits bit for bit.
-* kernel: the same codes in the CPU kernel's layout; decode rows go through rsqr_jax.kernels.block_matvec (each
+* tiled: the same codes in the CPU kernel's layout; decode rows go through rsqr_jax.kernels.block_matvec (each
   code read once, no dequantized matrix; the products summed in another order), a prompt's rows through XLA.
 * blocks_mixed: no dequantized matrix: per block of 32 inputs a float32 x int8 dot (`lax.dot_general` with
   mixed operands), scaled and summed over the blocks (the same numbers, summed in another order).
@@ -34,7 +34,7 @@ import numpy as np
 
 from rsqr_jax.eval.runtime import ConfigError, status
 
-FORMATS = ("dense", "blocks", "kernel", "blocks_mixed", "blocks_int8")
+FORMATS = ("dense", "blocks", "tiled", "blocks_mixed", "blocks_int8")
 # XLA:CPU flag sets tried for the projection benchmark (`--flags`): name -> XLA_FLAGS
 FLAG_SETS = {
     "default": "",
@@ -92,19 +92,19 @@ def int8_matmul(x, w):
 
 def matmul_of(fmt: str) -> Callable | None:
     """The decoder's matmul for a format (None: the decoder's own, dequantize then dot)."""
-    return {"dense": None, "blocks": None, "kernel": None, "blocks_mixed": mixed_matmul, "blocks_int8": int8_matmul}[fmt]
+    return {"dense": None, "blocks": None, "tiled": None, "blocks_mixed": mixed_matmul, "blocks_int8": int8_matmul}[fmt]
 
 
 def read_models(path: str, formats) -> dict:
     """The model each format runs on, read once per weight layout: {format: LoadedModel}."""
     from rsqr_jax.models.llama import read_model
 
-    layout = {"dense": "dense", "kernel": "kernel"}
+    layout = {"dense": "dense", "tiled": "tiled"}
     read = {}
     for f in formats:
         key = layout.get(f, "blocks")
         if key not in read:
-            read[key] = read_model(path, "float32", blocks=key != "dense", tiled=key == "kernel")
+            read[key] = read_model(path, "float32", blocks=key != "dense", tiled=key == "tiled")
     return {f: read[layout.get(f, "blocks")] for f in formats}
 
 
