@@ -281,3 +281,31 @@ def gather_layer_slots(buf: jax.Array, layer, slots_BxR) -> jax.Array:
     the whole buffer (a slice of the layer would be a copy of its whole store, see recall.write_cold)."""
     B, H = buf.shape[1], buf.shape[2]
     return buf[layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots_BxR[:, None, :]]
+
+
+# Up to this many runs (batch rows x runs per row), read_layer_runs slices each run; more take one gather.
+SLICED_RUNS_MAX = 64
+
+
+def run_slots(starts_BxM: jax.Array, n: int) -> jax.Array:
+    """The slots of runs of n consecutive slots from each start: [B, M * n]."""
+    B, M = starts_BxM.shape
+    return (starts_BxM[:, :, None] + jnp.arange(n, dtype=starts_BxM.dtype)).reshape(B, M * n)
+
+
+def read_layer_runs(buf: jax.Array, layer, starts_BxM: jax.Array, n: int) -> jax.Array:
+    """buf[layer, b, :, s : s + n] for each start s of starts_BxM[b], joined along the slots: [B, Hkv, M * n, D] as
+    stored, the values of gather_layer_slots(buf, layer, run_slots(starts_BxM, n)). Every start must leave n slots
+    (pages and blocks of pages do). XLA:CPU gathers element by element (index arithmetic per value: ~2.4 ns each,
+    a third of a recalled page's read), while a dynamic slice copies rows: each run is sliced from the whole
+    buffer (never a slice of the layer, see recall.write_cold), up to SLICED_RUNS_MAX runs."""
+    B, H, D = buf.shape[1], buf.shape[2], buf.shape[4]
+    M = starts_BxM.shape[1]
+    if B * M > SLICED_RUNS_MAX:
+        return gather_layer_slots(buf, layer, run_slots(starts_BxM, n))
+    zero = jnp.zeros((), starts_BxM.dtype)
+    layer = jnp.asarray(layer, starts_BxM.dtype)
+    rows = [jnp.concatenate([jax.lax.dynamic_slice(buf, (layer, jnp.asarray(b, starts_BxM.dtype), zero,
+                                                         starts_BxM[b, m], zero), (1, 1, H, n, D))[0]
+                             for m in range(M)], axis=2) for b in range(B)]
+    return jnp.concatenate(rows, axis=0)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from rsqr_jax import attention
 from rsqr_jax.cache import KVCache, logical_dtype, read_layer, write_kv
 from rsqr_jax.recall import (choose_pages_to_recall, extend_raw_segment, extend_window_segment, gather_recalled,
-                             read_cold_slots, write_cold)
+                             read_cold_runs, write_cold)
 from rsqr_jax.rope import rotate_keys
 from rsqr_jax.update import StepPlan
 
@@ -116,7 +116,7 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
 
     def with_recall():  # the recall tier (rsqr_jax.recall)
         read_sum, read_lo, read_hi, glob = summaries
-        gather_kv = lambda slots: read_cold_slots(cache, layer, slots)  # noqa: E731
+        gather_kv = lambda starts, n: read_cold_runs(cache, layer, starts, n)  # noqa: E731
 
         def choose():
             return choose_pages_to_recall(q_BxCxHqxD, gather_kv, read_sum(), read_lo(), read_hi(), glob,

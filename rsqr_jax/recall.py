@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from typing import TYPE_CHECKING
 
-from rsqr_jax.cache import BITS_DTYPE, gather_layer_slots, write_kv
+from rsqr_jax.cache import BITS_DTYPE, gather_layer_slots, read_layer_runs, write_kv
 from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split
 from rsqr_jax.policy import order_index
 from rsqr_jax.rope import rotate_keys
@@ -130,8 +130,8 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
     recall.score_block pages (score_block_pages) under a loop whose trip count is the number of blocks that hold anything
     (the last block is moved back to end at the last page; pages it scores twice get the same score), every
     other page -inf: the same scores bit for bit (each page's score depends on that page alone; checked on
-    XLA:CPU, tests/test_recall.py). gather_glob(slots_BxR) -> [B, Hkv, R, D]: the "max" rule's scoring copy at those
-    slots (None for the other rules). A store that fills pays for its fill, not its capacity."""
+    XLA:CPU, tests/test_recall.py). gather_glob(starts_BxM, n) -> [B, Hkv, M * n, D]: the "max" rule's scoring copy
+    at the runs of n slots from those starts (None for the other rules). A store that fills pays for its fill, not its capacity."""
     B = q_BxCxHqxD.shape[0]
     Hkv, n_pages = cold_sum_BxHkvxNpxD.shape[1], cold_sum_BxHkvxNpxD.shape[2]
     Pg = cold_pos_Nc.shape[0] // n_pages
@@ -145,7 +145,7 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
         slots = lambda x: jax.lax.dynamic_slice_in_dim(x, p0 * Pg, M * Pg)  # noqa: E731
         k = None
         if gather_glob is not None:
-            k = gather_glob(jnp.broadcast_to(p0 * Pg + jnp.arange(M * Pg, dtype=jnp.int32), (B, M * Pg)))
+            k = gather_glob(jnp.broadcast_to(p0 * Pg, (B, 1)).astype(jnp.int32), M * Pg)
         s = _scores(q_BxCxHkvxGxD, pages(cold_sum_BxHkvxNpxD), slots(cold_pos_Nc), slots(recall.token_valid_Nc),
                     recall.q_real_C, pages(lo_BxHkvxNpxD) if quest else None,
                     pages(hi_BxHkvxNpxD) if quest else None, k)
@@ -203,7 +203,7 @@ def _best_token(q_BxCxHkvxGxD, k_BxHkvxNxD, valid_BxN, q_real_C, Pg: int) -> jax
 
 def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, inv_freq, gather_k) -> jax.Array:
     """The "shortlist" rule: the recall.shortlist pages of best mean key (page_scores' "mean"), each rescored
-    by its best recallable token, max q . k, from its raw keys (gather_k(slots_BxR) -> [B, Hkv, R, D]) rotated
+    by its best recallable token, max q . k, from its raw keys (gather_k(starts_BxM, Pg) -> [B, Hkv, M * Pg, D]) rotated
     at their global positions; every other page -inf. The "max" rule's answer whenever its top pages are on
     the shortlist, at O(store / page + shortlist * page) per step and no scoring copy (docs/recall_tier.md)."""
     B, C, Hq, D = q_BxCxHqxD.shape
@@ -211,7 +211,7 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, 
     Pg, M = cold_pos_Nc.shape[0] // n_pages, recall.shortlist
     idx, listed = choose_pages(mean_scores_BxNp, cold_pos_Nc, jnp.int32(M), M)  # [B, M]
     slots_BxR = (idx[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
-    k_BxHkvxRxD = gather_k(slots_BxR).astype(jnp.float32)
+    k_BxHkvxRxD = gather_k(idx * Pg, Pg).astype(jnp.float32)
     Hkv = k_BxHkvxRxD.shape[1]
     base_BxM = cold_pos_Nc[idx * Pg]
     if C * Hq <= Pg * Hkv:
@@ -306,8 +306,8 @@ def with_neighbors(idx_BxR, active_BxR, cold_pos_Nc, n_pages: int, n: int) -> tu
 
 def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc, recall: Recall,
                     surv_valid_S, inv_freq):
-    """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(slots_BxR)`, which reads only those
-    slots of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
+    """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(starts_BxM, n)`, which reads only the runs
+    of n slots from those starts (the chosen pages) of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
     positions [B, R], validity [B, R]: `choose_pages_to_recall`, then `gather_recalled`."""
     idx, active = choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
                                          recall, inv_freq)
@@ -318,8 +318,8 @@ def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_gl
 def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
                            recall: Recall, inv_freq) -> tuple[jax.Array, jax.Array]:
     """One layer's page choice, [B, M] page indices and an active mask (M = max_pages * (1 + 2 * neighbors)).
-    cold_sum / lo / hi [B, Hkv, Np or 0, D] are the layer's page summaries and gather_glob(slots_BxR) -> [B, Hkv, R,
-    D] reads its scoring copy of the keys; recall.page_score says which of them the rule reads ("max": the copy,
+    cold_sum / lo / hi [B, Hkv, Np or 0, D] are the layer's page summaries and gather_glob(starts_BxM, n) -> [B, Hkv,
+    M * n, D] reads its scoring copy of the keys (runs of n slots); recall.page_score says which of them the rule reads ("max": the copy,
     "quest": lo / hi, "shortlist" and "mean": the sums). With recall.score_block only the filled pages are scored
     (live_page_scores; the same scores)."""
     B = q_BxCxHqxD.shape[0]
@@ -331,11 +331,10 @@ def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, ga
     else:
         k_glob = None
         if recall.page_score == "max":
-            k_glob = gather_glob(jnp.broadcast_to(jnp.arange(cold_pos_Nc.shape[0], dtype=jnp.int32),
-                                                  (B, cold_pos_Nc.shape[0])))
+            k_glob = gather_glob(jnp.zeros((B, 1), jnp.int32), cold_pos_Nc.shape[0])
         scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
     if recall.shortlist:
-        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s: gather_kv(s)[0])
+        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s, n: gather_kv(s, n)[0])
     idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, recall.max_pages)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)
@@ -352,7 +351,7 @@ def gather_recalled(idx_BxM, active_BxM, gather_kv, cold_pos_Nc, Pg: int, recall
     surv_att = jnp.where(surv_valid_S, recall.surv_gpos_S, -2)
     dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)
     valid = jnp.repeat(active_BxM, Pg, axis=1) & recall.token_valid_Nc[slots_BxR] & ~dup
-    return (*gather_kv(slots_BxR), gpos, valid)
+    return (*gather_kv(idx_BxM * Pg, Pg), gpos, valid)
 
 
 def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_surv_BxC, recall: Recall,
@@ -408,8 +407,8 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
 
     Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
     of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
-    slots_BxR -> [B, Hkv, R, D] (the "max" rule; None otherwise; with the int8 copy, its rows of words, [B, Hkv,
-    R, D / 4 + 1]). Every write is a scatter at the chunk's
+    (starts_BxM, n) -> [B, Hkv, M * n, D], runs of n slots (the "max" rule; None otherwise; with the int8 copy, its
+    rows of words, [B, Hkv, M * n, D / 4 + 1]). Every write is a scatter at the chunk's
     slots and pages into the [L, ...] buffer, in place; every read a gather from it (never a slice of the
     layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
     5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
@@ -447,14 +446,15 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
         # ColdStore.score_dtype "int8": each key's codes and scale in one row of int32 words
         rows = pack_int8_keys(rot_BxHxCxD) if cache.cold_k_glob.dtype == jnp.int32 else rot_BxHxCxD
         k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rows, 2, 0))
-        glob = lambda slots_BxR: gather_layer_slots(k_glob, layer, slots_BxR)  # noqa: E731
+        glob = lambda starts_BxM, n: read_layer_runs(k_glob, layer, starts_BxM, n)  # noqa: E731
     return cache.replace(**out), (layer_sum, lo, hi, glob)
 
 
-def read_cold_slots(cache: KVCache, layer, slots_BxR) -> tuple[jax.Array, jax.Array]:
-    """Raw K and V [B, Hkv, R, D] of the given cold slots of one layer, in their logical dtype."""
+def read_cold_runs(cache: KVCache, layer, starts_BxM, n: int) -> tuple[jax.Array, jax.Array]:
+    """Raw K and V [B, Hkv, M * n, D] of one layer's cold slots in runs of n from each start (the chosen pages), in
+    their logical dtype."""
     def take(buf):
-        x = gather_layer_slots(buf, layer, slots_BxR)
+        x = read_layer_runs(buf, layer, starts_BxM, n)
         return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
 
     return take(cache.cold_k), take(cache.cold_v)

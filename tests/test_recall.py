@@ -30,6 +30,7 @@ from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model, tiny_weig
 from rsqr_jax.sampling import Sampling
 from rsqr_jax import recall
 from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
+from rsqr_jax.cache import run_slots
 from rsqr_jax.update import commit, plan_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,8 +297,8 @@ def test_shortlist_rule_rescores_the_best_mean_pages_by_their_best_token(C):
                           jnp.asarray(real), jnp.asarray(True), 2, shortlist=m)
     args = (jnp.asarray(q), jnp.asarray(cold_sum, jnp.float32), jnp.asarray(cold_pos))
     mean = page_scores(*args, rc(M), jnp.asarray(inv))
-    gather_k = lambda slots: jnp.asarray(k_raw)[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None],  # noqa: E731
-                                                slots[:, None, :]]
+    gather_k = lambda starts, n: jnp.asarray(k_raw)[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None],  # noqa: E731
+                                                    run_slots(starts, n)[:, None, :]]
     got = np.asarray(shortlist_scores(args[0], mean, args[2], rc(M), jnp.asarray(inv), gather_k))
     tok = np.einsum("bckgd,bknd->bckgn", q_rot, k_glob)[:, real].max(axis=(1, 2, 3))  # [B, N]
     best = np.where(valid, tok, -np.inf).reshape(B, n_pages, Pg).max(-1)
@@ -623,11 +624,12 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
 
 
 def test_bench_recall_without_weights_runs_the_same_cache_on_a_projection_that_reads_none(tmp_path):
-    """--no-weights: weightless_matmul gives each projection its output width (dense or block weights) without
+    """--no-weights: weightless_matmul gives each projection its output width (dense, block or tiled weights) without
     reading them, and a recalling arm runs on it against plain rsqr."""
     import jax.numpy as jnp
 
-    from rsqr_jax.models.blocks import BlockWeights
+    from rsqr_jax.kernels.block_matvec import tile_codes
+    from rsqr_jax.models.blocks import BlockWeights, StackedLayer
     from rsqr_jax.models.llama import Llama, split_apply
     from rsqr_jax.studies import recall_timing as B
     from rsqr_jax.testing.tiny import tiny_weights
@@ -635,7 +637,9 @@ def test_bench_recall_without_weights_runs_the_same_cache_on_a_projection_that_r
 
     x = jnp.arange(12, dtype=jnp.float32).reshape(2, 6)
     blocks = BlockWeights.from_blocks(np.zeros((6, 64), np.int8), np.ones((6, 2), np.float32), None, 1)
-    for w in (jnp.zeros((6, 10)), jnp.zeros((6, 4)), blocks):
+    stacked = StackedLayer(BlockWeights(jnp.asarray(tile_codes(np.zeros((2, 2, 32, 16), np.int8))),  # the CPU kernel's
+                                        jnp.ones((2, 2, 1, 16)), None, -2, tiled=True), jnp.int32(1))  # layer stack
+    for w in (jnp.zeros((6, 10)), jnp.zeros((6, 4)), blocks, stacked):
         out = B.weightless_matmul(x, w)
         assert out.shape == (2, w.shape[-1])
         np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[:, np.arange(w.shape[-1]) % 6] * 0.5 + 0.01)
@@ -860,7 +864,8 @@ def test_scoring_only_the_filled_pages_gives_every_score_bit_for_bit(rule):
     k_glob = jnp.asarray(rng.normal(size=(B, Hkv, Nc, D)), jnp.float32)
     summ = [jnp.asarray(rng.normal(size=(B, Hkv, n_pages, D)), jnp.float32) for _ in range(3)]
     inv = jnp.asarray(1.0 / 10000 ** (np.arange(0, D, 2) / D), jnp.float32)
-    gather = lambda slots: k_glob[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None], slots[:, None, :]]  # noqa: E731
+    gather = lambda starts, n: k_glob[jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None],  # noqa: E731
+                                      run_slots(starts, n)[:, None, :]]
     for filled in (0, 1, 5, 11, Nc - 2, Nc):  # written slots 0 .. filled - 1 (Nc: the ring wrapped)
         cold_pos = np.where(np.arange(Nc) < filled, np.arange(Nc) + 30, -1).astype(np.int32)
         valid = (cold_pos >= 0) & (rng.random(Nc) < 0.8)

@@ -147,6 +147,11 @@ class StackedLayer:
     stack: BlockWeights
     layer: jax.Array
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The matrix's shape (one layer of the stack)."""
+        return self.stack.shape[1:]
+
     def dense(self, dtype=jnp.float32) -> jax.Array:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False),
                             self.stack).dense(dtype)
