@@ -26,6 +26,7 @@ import numpy as np
 from rsqr_jax.cache import (MAX_POSITION, KVCache, cold_slots_in_use, cut_cold_store, grow_cold_store, init_cache,
                             pin_span, pinned_count)
 from rsqr_jax.engine import Decoder, SamplerState, policy_values
+from rsqr_jax.host import release_free_heap
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy, host_policies
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling
@@ -166,6 +167,7 @@ class Session:
                 self.cache = init_cache(self.spec)
             self._warm.add(name)
             self.compile_s += time.perf_counter() - t0
+            release_free_heap()  # the compiler's freed buffers
 
     def _run(self, ids: np.ndarray, n_valid: int) -> int:
         nxt, self.cache, (self.rng, self.recent) = self.decoder.feed_and_sample(

@@ -42,6 +42,7 @@ import numpy as np
 
 from rsqr_jax.cache import KVCache
 from rsqr_jax.engine import Decoder, SamplerState, policy_values
+from rsqr_jax.host import release_free_heap
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, stack_values
@@ -217,7 +218,9 @@ class StreamScheduler:
         scratch = jax.tree.map(jnp.copy, self.cache)
         jax.block_until_ready(self.decoder.generate_streams(self.params, zeros, scratch, None, zeros, state,
                                                             self._values(), self.eos_ids))
+        del scratch
         self.compile_s += time.perf_counter() - t0
+        release_free_heap()  # the compiler's freed buffers
 
     def _admit(self) -> None:
         for i in range(self.n_slots):

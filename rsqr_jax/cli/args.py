@@ -286,7 +286,11 @@ def status(msg: str) -> None:
 
 def run_main(main, argv: list[str] | None = None) -> None:
     """Run main(argv) (None: the process's own arguments) as a process does: user errors are one line on
-    stderr and exit code 2, an interrupt exits 130, else main's return value is the exit status."""
+    stderr and exit code 2, an interrupt exits 130, else main's return value is the exit status. Compiled
+    programs are kept between runs (rsqr_jax.host.enable_compilation_cache)."""
+    from rsqr_jax.host import enable_compilation_cache
+
+    enable_compilation_cache()  # before the first compilation (and before the imports below import jax)
     from rsqr_jax.models.config import ModelLoadError
     from rsqr_jax.eval.runtime import ConfigError
     from rsqr_jax.policy import PolicyError

@@ -29,16 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rsqr_jax.host import cache_dir
+
 TARGET = "rsqr_block_matvec"
 SOURCE = Path(__file__).with_name("block_matvec.cc")
 GROUP = 8  # output columns per tile of the codes' layout ([L, K/32, N/8, 32, 8])
 ROWS_MAX = 8  # rows x of a call that go through the kernel (decode); more (prefill) stay on XLA's dot
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("RSQR_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rsqr_jax")
-    return Path(root)
 
 
 def _compiler() -> str | None:
@@ -65,7 +61,7 @@ def _build(cxx: str) -> Path:
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(),
                                      " ".join(flags).encode(), platform.machine().encode(), _cpu_features()])
                          ).hexdigest()[:16]
-    out = _cache_dir() / f"block_matvec-{key}.so"
+    out = cache_dir(f"block_matvec-{key}.so")
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

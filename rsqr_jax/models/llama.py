@@ -282,6 +282,7 @@ def read_model(path: str, dtype: str = "float32", *, blocks: bool = False, tiled
     loader's 64-byte aligned buffer; elsewhere it copies, and the wait drops the host copy before the next
     tensor is read: copies are asynchronous), so the host never holds the weights twice.
     """
+    from rsqr_jax.host import release_free_heap
     from rsqr_jax.kernels.block_matvec import GROUP
     from rsqr_jax.models.loading import iter_weights, load_config
 
@@ -300,6 +301,7 @@ def read_model(path: str, dtype: str = "float32", *, blocks: bool = False, tiled
             w = jax.device_put(w)  # CPU: adopts the aligned buffer, no copy
         weights[name] = jax.block_until_ready(w)
         del w
+    release_free_heap()  # the decoded and re-laid blocks' buffers
     return LoadedModel(config, Llama(config, weights, dtype=jnp.dtype(dtype)), path, str(jnp.dtype(dtype)),
                        weight_format="tiled" if "tiled" in held else "blocks" if held else "dense")
 
