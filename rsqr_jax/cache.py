@@ -296,9 +296,9 @@ def run_slots(starts_BxM: jax.Array, n: int) -> jax.Array:
 def read_layer_runs(buf: jax.Array, layer, starts_BxM: jax.Array, n: int) -> jax.Array:
     """buf[layer, b, :, s : s + n] for each start s of starts_BxM[b], joined along the slots: [B, Hkv, M * n, D] as
     stored, the values of gather_layer_slots(buf, layer, run_slots(starts_BxM, n)). Every start must leave n slots
-    (pages and blocks of pages do). XLA:CPU gathers element by element (index arithmetic per value: ~2.4 ns each,
-    a third of a recalled page's read), while a dynamic slice copies rows: each run is sliced from the whole
-    buffer (never a slice of the layer, see recall.write_cold), up to SLICED_RUNS_MAX runs."""
+    (pages and blocks of pages do). XLA:CPU gathers element by element (index arithmetic for every value), while a
+    dynamic slice copies rows: each run is sliced from the whole buffer (never a slice of the layer, see
+    recall.write_cold), up to SLICED_RUNS_MAX runs (docs/recall_tier.md §11 measures the difference)."""
     B, H, D = buf.shape[1], buf.shape[2], buf.shape[4]
     M = starts_BxM.shape[1]
     if B * M > SLICED_RUNS_MAX:
