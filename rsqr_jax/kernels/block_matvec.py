@@ -161,11 +161,25 @@ def dequantize(codes: jax.Array, scale: jax.Array, offset: jax.Array | None) -> 
     return w.reshape(w.shape[:-3] + (w.shape[-3] * w.shape[-2], w.shape[-1]))
 
 
-def xla_matvec(x, codes, scale, offset, layer) -> jax.Array:
-    """What block_matvec computes, by XLA: matrix `layer` dequantized, then XLA's dot (float32 [..., N])."""
-    pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
-    return jnp.dot(x.astype(jnp.float32), dequantize(pick(codes), pick(scale), pick(offset)),
+def tiled_dot(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None, dtype=jnp.float32) -> jax.Array:
+    """x [..., K] @ one tiled matrix (codes [K/32, N/8, 32, 8], scale and offset [K/32, 1, N]) by XLA's dot: float32
+    [..., N]. The matrix is dequantized in its tiles (float32 arithmetic, cast to `dtype` last) and contracted there,
+    over (block, row in block): the values and the result of `dequantize` then a dot, bit for bit on XLA:CPU, without
+    the transpose back to rows that made a prompt's projections ~25% slower than the blocks layout's."""
+    kb, ng, blk, e = codes.shape
+    tile = lambda a: a.reshape(kb, 1, ng, e).swapaxes(1, 2)  # noqa: E731  [K/32, 1, N] -> [K/32, N/8, 1, 8]
+    w = codes.astype(jnp.float32) * tile(scale)
+    if offset is not None:
+        w = w + tile(offset)
+    y = jnp.einsum("...bi,bgie->...ge", x.reshape(x.shape[:-1] + (kb, blk)), w.astype(dtype),
                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.reshape(x.shape[:-1] + (ng * e,))
+
+
+def xla_matvec(x, codes, scale, offset, layer) -> jax.Array:
+    """What block_matvec computes, by XLA: matrix `layer` of the stack through `tiled_dot` (float32 [..., N])."""
+    pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+    return tiled_dot(x.astype(jnp.float32), pick(codes), pick(scale), pick(offset))
 
 
 def block_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,

@@ -117,6 +117,8 @@ def logits(h: jax.Array, w, dtype) -> jax.Array:
     whole [V, H] float32 matrix to memory at every step before reading it back (four times the bytes of its
     codes). Chunks of rows do not change a logit: each is the same H-long dot. Held tiled (BlockWeights.to_tiled),
     a decode step's rows go through the CPU kernel instead."""
+    from rsqr_jax.kernels import block_matvec as BM
+
     dot = lambda a, b: jax.lax.dot_general(a, b, (((a.ndim - 1,), (1,)), ((), ())),  # noqa: E731
                                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     if not isinstance(w, BlockWeights):
@@ -127,14 +129,17 @@ def logits(h: jax.Array, w, dtype) -> jax.Array:
     rows = next((r for r in range(min(V, 4096), 0, -1) if V % r == 0 and r % 8 == 0), V)  # <= 4096, dividing V
     if rows < 256:  # no useful divisor: one piece
         return dot(h, w.dense(dtype))
-    if w.tiled:  # chunks of the transpose's columns: codes [H/32, V/8, 32, 8] -> [V / rows, H/32, rows / 8, 32, 8]
-        n = V // rows
-        chunked = BlockWeights(jnp.moveaxis(w.codes.reshape(w.codes.shape[0], n, rows // 8, 32, 8), 1, 0),
-                               *(None if a is None else jnp.moveaxis(a.reshape(a.shape[0], 1, n, rows), 2, 0)
-                                 for a in (w.scale, w.offset)), -1, tiled=True)
+    if w.tiled:  # chunk i: columns [i * rows, (i + 1) * rows) of the held transpose [H, V], sliced in place (moving
+        # the chunks to a leading axis first copied all the codes at every call), through XLA's dot in the tiles
+        def part_dot(i):
+            cols = lambda a, axis, n: jax.lax.dynamic_slice_in_dim(a, i * n, n, axis=axis)  # noqa: E731
+            return BM.tiled_dot(h, cols(w.codes, 1, rows // 8), cols(w.scale, 2, rows),
+                                None if w.offset is None else cols(w.offset, 2, rows), dtype)
+
+        out = jax.lax.map(part_dot, jnp.arange(V // rows))
     else:
         chunked = jax.tree.map(lambda a: a.reshape((V // rows, rows) + a.shape[1:]), w)
-    out = jax.lax.map(lambda part: dot(h, part.dense(dtype)), chunked)  # [V / rows, ..., rows]
+        out = jax.lax.map(lambda part: dot(h, part.dense(dtype)), chunked)  # [V / rows, ..., rows]
     return jnp.moveaxis(out, 0, -2).reshape(h.shape[:-1] + (V,))
 
 
@@ -165,13 +170,17 @@ def dense(w, dtype=None):
 def matmul(x: jax.Array, w) -> jax.Array:
     """x @ w in x's dtype (float32 accumulation): w an array, a BlockWeights (dequantized inside the step, then
     XLA's dot) or a StackedLayer, whose decode rows (at most block_matvec.ROWS_MAX of them, when the kernel is
-    built) go through the CPU kernel (the same products summed in another order) and a prompt's through XLA."""
+    built) go through the CPU kernel (the same products summed in another order) and a prompt's through XLA's dot
+    in the tiled layout (block_matvec.tiled_dot: the blocks layout's result bit for bit)."""
     from rsqr_jax.kernels import block_matvec as BM
 
     one = isinstance(w, BlockWeights) and w.tiled and w.codes.ndim == 4  # one matrix, not a layer stack
-    if (one or isinstance(w, StackedLayer)) and _kernel_rows(x):
+    if one or isinstance(w, StackedLayer):
         s, layer = (jax.tree.map(lambda a: a[None], w), 0) if one else (w.stack, w.layer)  # one: a stack of one
-        return BM.block_matvec(x, s.codes, s.scale, s.offset, layer).astype(x.dtype)
+        if _kernel_rows(x):
+            return BM.block_matvec(x, s.codes, s.scale, s.offset, layer).astype(x.dtype)
+        pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+        return BM.tiled_dot(x, pick(s.codes), pick(s.scale), pick(s.offset), x.dtype).astype(x.dtype)
     return jnp.dot(x, dense(w, x.dtype), precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32).astype(x.dtype)
 
