@@ -309,11 +309,11 @@ def _advance(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
 
 
 def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, state: SamplerState, values):
-    logits, cache = step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid,
+    logits, cache = step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid, last_logits=True,
                          **dec.spec.recall_args)
     recent = push_recent(state.recent, tokens_BxC, n_valid)
     rng, sub = jax.random.split(state.rng)
-    last_BxV = jnp.take(logits, jnp.maximum(n_valid - 1, 0), axis=1)
+    last_BxV = logits[:, 0]  # the last real token's (step's last_logits)
     return sample(last_BxV, sub, values, recent, dec.max_candidates), cache, SamplerState(rng, recent)
 
 

@@ -103,13 +103,16 @@ class Positions:
 @_dataclass
 class StepPlan:
     """Everything a layer needs to update its K/V and attend, for one chunk; identical for all layers
-    (but for the recalled pages, which each layer chooses from its own queries)."""
+    (but for the recalled pages, which each layer chooses from its own queries). logits_row: None, or the one
+    row of the chunk whose logits the caller reads (step's last_logits): a model may compute only that row's
+    logits, [B, 1, V] (a prompt chunk's other rows would cost a fifth of its multiply-adds for nothing)."""
 
     writes: Writes
     kernel: KernelArgs
     upkeep: Upkeep
     recall: Recall
     next: Positions
+    logits_row: jax.Array | None = None
 
 
 def _pinned(g_N: jax.Array, cache: KVCache) -> jax.Array:
@@ -304,11 +307,22 @@ def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
 
 
 def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
-         n_valid: jax.Array | int | None = None, **recall_args) -> tuple[jax.Array, KVCache]:
+         n_valid: jax.Array | int | None = None, *, last_logits: bool = False, **recall_args) -> tuple[jax.Array, KVCache]:
     """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache.
 
+    last_logits (static): only the last real token's logits, [B, 1, V] (what sampling reads): the plan names that
+    row (StepPlan.logits_row) for a model that computes only it; another model's rows are taken here.
     recall_args (static, CacheSpec.recall_args): the recall tier's keywords of `plan_step`."""
-    plan = plan_step(cache, policy, tokens_BxC.shape[1], n_valid, **recall_args)
+    C = tokens_BxC.shape[1]
+    plan = plan_step(cache, policy, C, n_valid, **recall_args)
+    row = None
+    if last_logits:
+        row = jnp.maximum(jnp.asarray(C if n_valid is None else n_valid, jnp.int32) - 1, 0)
+        plan = dataclasses.replace(plan, logits_row=row)
+
+    def picked(logits):  # [B, C or 1, V] -> [B, 1, V] under last_logits
+        return logits if row is None or logits.shape[1] == 1 else jax.lax.dynamic_slice_in_dim(logits, row, 1, axis=1)
+
     if cache.win_tok.shape[1]:
         cache = cache.replace(win_tok=cache.win_tok.at[:, plan.writes.win_slot_C].set(tokens_BxC, mode="drop"))
     if cache.surv_tok.shape[1]:
@@ -316,12 +330,17 @@ def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, polic
 
     def forward(cache):
         if not _bits_on_cpu(cache):
-            return apply_fn(params, tokens_BxC, cache, plan)
+            logits, cache = apply_fn(params, tokens_BxC, cache, plan)
+            return picked(logits), cache
         logits, bits = apply_fn(params, tokens_BxC, _kv_bitcast(cache, BITS_DTYPE), plan)
-        return logits, _kv_bitcast(bits, jnp.bfloat16)
+        return picked(logits), _kv_bitcast(bits, jnp.bfloat16)
+
+    def replay(cache):
+        logits, cache = _replay(apply_fn, params, cache, plan)
+        return picked(logits), cache
 
     if cache.win_tok.shape[1]:
-        logits, cache = jax.lax.cond(plan.upkeep.replay, lambda c: _replay(apply_fn, params, c, plan), forward, cache)
+        logits, cache = jax.lax.cond(plan.upkeep.replay, replay, forward, cache)
     else:
         logits, cache = forward(cache)
     return logits, commit(cache, plan)

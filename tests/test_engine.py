@@ -4,6 +4,8 @@ and the nucleus (top-p) branch of the sampler keeps exactly the smallest nucleus
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import pytest
 from rsqr_jax import policy as P
 from rsqr_jax.engine import TRACES, Decoder, policy_values, stream_nll
 from rsqr_jax.sampling import Sampling, sample
+from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.testing.tiny import tiny_config, tiny_model
 from rsqr_jax.update import step
@@ -157,3 +160,42 @@ def test_advance_gives_the_cache_feed_gives():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert int(a.t) == 10
+
+
+@pytest.mark.parametrize("policy", [P.rsqr(6, 2, 2, 3, block=2), P.replay(6, 2, 2, 3, block=2)], ids=["rsqr", "replay"])
+def test_last_logits_are_the_last_real_rows_and_the_model_computes_only_that_row(policy):
+    """step(last_logits=True), what sampling calls: [B, 1, V], the full step's row n_valid - 1 (within float32
+    rounding: one row's final dot may sum in another order than the chunk's), the same cache bit for bit; the
+    model honours StepPlan.logits_row (its logits have one row), and a model that does not gets its row taken by
+    step, bit for bit. replay: its rebuild branch too (the policy replays on a block boundary; the rebuild's own
+    forward over the whole cache keeps every row, the chunk's rows are taken from it)."""
+    apply_fn, params = tiny_model(CFG, 5)
+    rng = _seeded("last logits")
+    spec = CacheSpec.for_policies(policy, num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads,
+                                  head_dim=CFG.head_dim, max_chunk=4, max_len=64)
+    shapes = []
+
+    def all_rows(params, tokens, cache, plan):  # a model that ignores logits_row
+        out = apply_fn(params, tokens, cache, dataclasses.replace(plan, logits_row=None))
+        shapes.append(out[0].shape)
+        return out
+
+    def seen(params, tokens, cache, plan):
+        out = apply_fn(params, tokens, cache, plan)
+        shapes.append(out[0].shape)
+        return out
+
+    cache = init_cache(spec)
+    for n_valid in (4, 3, 4, 1, 2, 4, 4, 3):  # past the window: evictions, survivors, replays
+        tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, size=(1, 4)), jnp.int32)
+        want, cache_want = step(apply_fn, params, tokens, cache, policy, n_valid)
+        shapes.clear()
+        got, cache_got = step(seen, params, tokens, cache, policy, n_valid, last_logits=True)
+        one_row = (1, 1, CFG.vocab_size)
+        assert got.shape == one_row and one_row in shapes, shapes
+        assert int(policy.mode) == P.REPLAY or set(shapes) == {one_row}, shapes
+        np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want[:, n_valid - 1]), rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_equal(cache_got, cache_want)
+        ignored, _ = step(all_rows, params, tokens, cache, policy, n_valid, last_logits=True)
+        np.testing.assert_array_equal(np.asarray(ignored[:, 0]), np.asarray(want[:, n_valid - 1]))
+        cache = cache_want
