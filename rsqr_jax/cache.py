@@ -298,7 +298,7 @@ def read_layer_runs(buf: jax.Array, layer, starts_BxM: jax.Array, n: int) -> jax
     stored, the values of gather_layer_slots(buf, layer, run_slots(starts_BxM, n)). Every start must leave n slots
     (pages and blocks of pages do). XLA:CPU gathers element by element (index arithmetic for every value), while a
     dynamic slice copies rows: each run is sliced from the whole buffer (never a slice of the layer, see
-    recall.write_cold), up to SLICED_RUNS_MAX runs (docs/recall_tier.md §11 measures the difference)."""
+    recall.write_cold), up to SLICED_RUNS_MAX runs (docs/recall_tier.md §11)."""
     B, H, D = buf.shape[1], buf.shape[2], buf.shape[4]
     M = starts_BxM.shape[1]
     if B * M > SLICED_RUNS_MAX:

@@ -165,7 +165,7 @@ def tiled_dot(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Arra
     """x [..., K] @ one tiled matrix (codes [K/32, N/8, 32, 8], scale and offset [K/32, 1, N]) by XLA's dot: float32
     [..., N]. The matrix is dequantized in its tiles (float32 arithmetic, cast to `dtype` last) and contracted there,
     over (block, row in block): the values and the result of `dequantize` then a dot, bit for bit on XLA:CPU, without
-    the transpose back to rows that made a prompt's projections ~25% slower than the blocks layout's."""
+    the transpose back to rows that made a prompt's projections slower than the blocks layout's."""
     kb, ng, blk, e = codes.shape
     tile = lambda a: a.reshape(kb, 1, ng, e).swapaxes(1, 2)  # noqa: E731  [K/32, 1, N] -> [K/32, N/8, 1, 8]
     w = codes.astype(jnp.float32) * tile(scale)
