@@ -207,3 +207,24 @@ def test_the_avx2_and_plain_paths_equal_the_dequantized_product(tmp_path, march)
         w = codes[1].astype(np.float64) * scale[1] + (0.0 if offset is None else offset[1])
         np.testing.assert_allclose(got, x.astype(np.float64) @ w.reshape(K, N), rtol=1e-5, atol=1e-5,
                                    err_msg=f"seed {seed}")
+
+
+def test_a_new_build_prunes_the_libraries_nobody_used_for_a_month(monkeypatch, tmp_path):
+    """Building the kernel into a cache deletes the other kernel libraries unused for BM.STALE_DAYS, keeps the
+    recently used ones and anything that is not a kernel library."""
+    import os
+    import time
+
+    if BM._compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("RSQR_JAX_CACHE", str(tmp_path))
+    now = time.time()
+    files = {name: tmp_path / name for name in ("block_matvec-old.so", "block_matvec-recent.so", "other-old.so")}
+    for name, path in files.items():
+        path.write_bytes(b"x")
+        age = 2 if name == "block_matvec-recent.so" else BM.STALE_DAYS + 5
+        os.utime(path, (now - age * 86400, now - age * 86400))
+    built = BM._build(BM._compiler())
+    assert built.is_file() and built.parent == tmp_path
+    assert not files["block_matvec-old.so"].exists()
+    assert files["block_matvec-recent.so"].exists() and files["other-old.so"].exists()

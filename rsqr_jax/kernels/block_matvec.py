@@ -76,7 +76,27 @@ def _build(cxx: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _prune(out)
     return out
+
+
+# A library of another source, jaxlib or machine not used for this long is deleted when a new one is built.
+STALE_DAYS = 30
+
+
+def _prune(keep: Path) -> None:
+    """Delete the cache's other kernel libraries that no process has used for STALE_DAYS (a new source or jaxlib
+    builds a new one; the old ones would pile up). A library in use elsewhere stays: loading one marks it used."""
+    import time
+
+    horizon = time.time() - STALE_DAYS * 86400
+    for old in keep.parent.glob("block_matvec-*.so"):
+        try:
+            st = old.stat()
+            if old != keep and max(st.st_atime, st.st_mtime) < horizon:
+                old.unlink()
+        except OSError:  # gone already, or not ours to delete
+            pass
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,6 +122,10 @@ def _register(library: str) -> None:
     import ctypes
 
     lib = ctypes.cdll.LoadLibrary(library)
+    try:
+        os.utime(library)  # used now (_prune keeps what is used; a file system's atime may not say so)
+    except OSError:
+        pass
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.BlockMatvec), platform="cpu")
 
 
