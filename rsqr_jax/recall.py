@@ -409,8 +409,8 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
     of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
     (starts_BxM, n) -> [B, Hkv, M * n, D], runs of n slots (the "max" rule; None otherwise; with the int8 copy, its
     rows of words, [B, Hkv, M * n, D / 4 + 1]). Every write is a scatter at the chunk's
-    slots and pages into the [L, ...] buffer, in place; every read a gather from it (never a slice of the
-    layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
+    slots and pages into the [L, ...] buffer, in place; every read a gather from it, or slices of runs of slots
+    from it (cache.read_layer_runs) - never a slice of the layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
     5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
     back cost a slice, two copies and a write of it per layer and step, the store empty or not)."""
     wr = plan.writes

@@ -952,3 +952,27 @@ def test_skipping_recall_under_vmap_changes_no_bit(monkeypatch):
     np.testing.assert_allclose(sweep[recall.SCORE_BLOCK_PAGES], sweep[0], atol=5e-5, rtol=0)
     assert streams[recall.SCORE_BLOCK_PAGES] == streams[0]
     assert np.abs(sweep[0][1] - sweep[0][0]).max() > 1e-3  # recall changed the sweep: not vacuous
+
+
+def test_read_layer_runs_equals_the_gather_of_their_slots(monkeypatch):
+    """cache.read_layer_runs (recall's reads of pages and score blocks as sliced runs) gives gather_layer_slots'
+    values for the same slots bit for bit, sliced (a few runs) or gathered (past SLICED_RUNS_MAX), under jit with
+    the layer traced, for every batch row; uint16 bits (a bfloat16 store) included."""
+    from rsqr_jax import cache as C
+
+    rng = np.random.default_rng(drawn_seed("runs"))
+    L, B, H, N, D, Pg, M = 3, 2, 2, 40, 4, 4, 3
+    buf = jnp.asarray(rng.normal(size=(L, B, H, N, D)), jnp.float32)
+    bits = jax.lax.bitcast_convert_type(buf.astype(jnp.bfloat16), jnp.uint16)
+    starts = jnp.asarray(rng.choice(N // Pg, size=(B, M), replace=True) * Pg, jnp.int32)  # pages, repeats allowed
+    for most in (C.SLICED_RUNS_MAX, 0):  # sliced, then every call gathered
+        monkeypatch.setattr(C, "SLICED_RUNS_MAX", most)
+        for b in (buf, bits):
+            runs = jax.jit(lambda b, layer: C.read_layer_runs(b, layer, starts, Pg))
+            for layer in range(L):
+                want = C.gather_layer_slots(b, jnp.int32(layer), C.run_slots(starts, Pg))
+                got = runs(b, jnp.int32(layer))
+                assert got.shape == (B, H, M * Pg, D) and got.dtype == b.dtype
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    block = C.read_layer_runs(buf, 1, jnp.full((B, 1), 8, jnp.int32), 24)  # one block of 24 slots from slot 8
+    np.testing.assert_array_equal(np.asarray(block), np.asarray(buf[1, :, :, 8:32]))
