@@ -11,11 +11,12 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   rsqr / rsqr_precompute / streamingllm, rotated for the rotated-storage policies.
 * surv_k_rot [L, B, Hkv, S or 0, D]: rsqr_precompute's copy of each survivor rotated at its rank.
 * win_tok / surv_tok [B, W or 0] / [B, S or 0]: token ids, only for replay.
-* cold_k / cold_v [L, B, Hkv, Nc, D], cold_sum [L, B, Hkv, Nc/P, D] float32, cold_pos [Nc]: the recall
+* cold_k / cold_v [L, B, Hkv, Nc, D], cold_sum [L, B, Hkv, Nc/P, D or 0] float32, cold_pos [Nc]: the recall
   tier's cold store (docs/design.md §3b; Nc = CacheSpec.cold_slots, 0 without one). Every non-sink token
   is written raw on arrival at ring slot (r - N) mod Nc, so the ring is made of pages of P consecutive
   tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
-  (the page summary that recall scores), cold_lo / cold_hi their per-channel minimum and maximum (only
+  (the page summary the "mean" and "shortlist" rules score; for the other rules its last axis is 0 and it
+  only says how many pages the ring has), cold_lo / cold_hi their per-channel minimum and maximum (only
   for the page rule "quest"), cold_k_glob [L, B, Hkv, Nc or 0, D] float32 every cold key rotated at
   its global position (only for page_score "max": scoring, never attended; with ColdStore.score_dtype "int8"
   int32 [.., D/4 + 1], each key's int8 codes four to a word, then its float32 scale's bits), cold_pos each slot's global
@@ -127,7 +128,7 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         win_pos=neg(W), win_stored_rot=jnp.zeros((W,), jnp.int32),
         surv_pos=neg(S), surv_rank=neg(S), surv_stored_rot=jnp.zeros((S,), jnp.int32), surv_copy_pos=neg(Sp),
         cold_k=jnp.zeros((L, B, H, Nc, D), dt), cold_v=jnp.zeros((L, B, H, Nc, D), dt),
-        cold_sum=jnp.zeros((L, B, H, spec.cold_pages, D), jnp.float32), cold_pos=neg(Nc),
+        cold_sum=jnp.zeros((L, B, H, spec.cold_pages, D if spec.keeps_page_sums else 0), jnp.float32), cold_pos=neg(Nc),
         cold_lo=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_hi=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
         cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, spec.scoring_copy_row[1]),

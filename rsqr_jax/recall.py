@@ -1,7 +1,7 @@
 """The recall tier (docs/design.md §3b), the one module that writes and reads the cold store: each layer's
 raw K/V into the cold ring and its page summaries (`write_cold`), page scores (the query against each page's
 best or mean key, or Quest's per-channel bound), the top-R choice with neighbours, the recalled K/V
-(`read_cold_slots`), and the raw segment extended with them at their ranks (`extend_raw_segment`). Where each
+(`read_cold_runs`), and the raw segment extended with them at their ranks (`extend_raw_segment`). Where each
 token's cold slot is (the ring's bookkeeping) is planned once per step with the rest (rsqr_jax.update)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from rsqr_jax.update import StepPlan
 
 
-# Most pages scored per block while the store fills (recalled_tokens): a layer scores only the blocks that hold a
+# Most pages scored per block while the store fills (live_page_scores): a layer scores only the blocks that hold a
 # recallable token, under a loop whose trip count is their number; 0 = score every page at every step. Each trip
 # costs a fixed overhead on XLA:CPU, so blocks are large; the store is cut into equal blocks of at most this many
 # pages (`score_block_pages`): a default store (4096 tokens and the window's, 277 pages) is one block.
@@ -304,17 +304,6 @@ def with_neighbors(idx_BxR, active_BxR, cold_pos_Nc, n_pages: int, n: int) -> tu
     return pages, act & ~dup
 
 
-def recalled_tokens(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc, recall: Recall,
-                    surv_valid_S, inv_freq):
-    """One layer's recalled tokens: raw K/V [B, Hkv, R, D] (from `gather_kv(starts_BxM, n)`, which reads only the runs
-    of n slots from those starts (the chosen pages) of the cold store: copying a layer's whole store per step made a 64k-token store 13x slower), global
-    positions [B, R], validity [B, R]: `choose_pages_to_recall`, then `gather_recalled`."""
-    idx, active = choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
-                                         recall, inv_freq)
-    return gather_recalled(idx, active, gather_kv, cold_pos_Nc, cold_pos_Nc.shape[0] // cold_sum.shape[2], recall,
-                           surv_valid_S)
-
-
 def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
                            recall: Recall, inv_freq) -> tuple[jax.Array, jax.Array]:
     """One layer's page choice, [B, M] page indices and an active mask (M = max_pages * (1 + 2 * neighbors)).
@@ -401,9 +390,10 @@ def extend_window_segment(win_k, win_v, win_pos_BxW, recall: Recall, rec_k, rec_
 
 
 def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
-    """The chunk's raw K/V into the cold ring, and each page's summary of its keys rotated at their global
-    positions: the sum (and, for Quest scoring, the per-channel min and max). Only the summary is rotated;
-    the stored key stays raw. A restarted page's summary starts afresh.
+    """The chunk's raw K/V into the cold ring, and what the page rule reads of its keys rotated at their global
+    positions: each page's sum ("mean", "shortlist"), its per-channel min and max ("quest"), or every key in the
+    scoring copy ("max"). Only these are rotated; the stored key stays raw. A restarted page's summary starts
+    afresh.
 
     Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
     of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
@@ -430,8 +420,12 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
         buf = getattr(buf.at[restart].set(reset, mode="drop").at[page], combine)(rot_CxBxHxD, mode="drop")
         return buf, lambda: gather_layer_slots(buf, layer, all_pages)
 
-    cold_sum, layer_sum = summarize(cache.cold_sum, 0.0, "add")
-    out = dict(cold_k=cold_k, cold_v=cold_v, cold_sum=cold_sum)
+    out = dict(cold_k=cold_k, cold_v=cold_v)
+    # The rule's own summaries only (spec.SUM_RULES): the others keep no sums, whose upkeep was a third of the
+    # cold writes' operations per layer and step.
+    layer_sum = lambda: jnp.zeros(cache.cold_sum.shape[1:], cache.cold_sum.dtype)  # noqa: E731  (no sums kept)
+    if cache.cold_sum.shape[4]:
+        out["cold_sum"], layer_sum = summarize(cache.cold_sum, 0.0, "add")
     lo = hi = lambda: jnp.zeros(cache.cold_lo.shape[1:], cache.cold_lo.dtype)  # noqa: E731  (no Quest pages)
     glob = None
     rule = plan.recall.page_score

@@ -316,6 +316,9 @@ class Session:
                 raise SessionFileError(f"{name} holds an invalid int8 scoring copy")
             words = np.ascontiguousarray(codes).reshape(codes.shape[:-1] + (-1, 4)).view(np.int32)[..., 0]
             arrays["cache.cold_k_glob"] = np.concatenate([words, scale.view(np.int32)[..., None]], axis=-1)
+        sums = arrays.get("cache.cold_sum")  # a file from when every rule's store kept its pages' sums
+        if sums is not None and sums.ndim == 5 and sums.shape[4] and not expected.cold_sum.shape[4]:
+            arrays["cache.cold_sum"] = sums[..., :0]
         saved = header.get("cold_slots_saved")  # absent: a file from before the cold store was cut
         if saved is not None and saved != saved_spec.cold_slots:
             page = saved_spec.cold.page_size if saved_spec.cold else 1

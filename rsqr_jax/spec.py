@@ -22,6 +22,8 @@ from rsqr_jax.policy import Policy, PolicyError, host_policies
 # token from its raw keys rotated on the fly: "max"'s choice whenever its top pages are on the shortlist, with
 # the mean rule's storage and O(store / page_size + shortlist x page_size) work per step.
 PAGE_SCORES = ("mean", "quest", "max", "shortlist")
+# The rules that read each page's sum of keys (its mean key); the store of another rule keeps no sums.
+SUM_RULES = ("mean", "shortlist")
 # Shortlisted pages per recalled page: 4, 8, 16 answered 31, 33, 35 of 40 mid-stream facts; 16 gave every answer
 # "max" gave (docs/recall_tier.md section 6).
 SHORTLIST_PER_PAGE = 16
@@ -187,6 +189,11 @@ class CacheSpec:
         return None if self.cold is None else self.cold.page_score
 
     @property
+    def keeps_page_sums(self) -> bool:
+        """Whether the cold store keeps each page's sum of keys (KVCache.cold_sum; only its rule reads it, SUM_RULES)."""
+        return self.page_score in SUM_RULES
+
+    @property
     def scoring_copy_dtype(self) -> str:
         """The scoring copy's number format, ColdStore.score_dtype (float32 without a cold store); how it is
         stored: scoring_copy_row."""
@@ -317,7 +324,7 @@ class CacheSpec:
             "positions": (2 * self.win_capacity + (4 if self.precompute else 3) * self.surv_capacity + 1
                           + (2 * PIN_SPANS if self.pins else 0)) * 4,
             "cold_store": self.cold_slots * (self.entry_bytes + 4)
-            + self.cold_pages * summary_bytes * (3 if self.page_score == "quest" else 1)
+            + self.cold_pages * summary_bytes * (2 if self.page_score == "quest" else 1 if self.keeps_page_sums else 0)
             + (self.cold_slots * self.scoring_copy_bytes if self.page_score == "max" else 0),
         }
         if self.local_layers:  # the local layers' rings (their K/V and the slots' positions), a part of their own

@@ -186,11 +186,16 @@ def test_max_rule_scores_each_page_by_its_best_recallable_token():
     want = np.where(valid, tok, -np.inf).reshape(B, n_pages, Pg).max(-1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.all(np.isneginf(got[:, 0])) and np.all(np.isfinite(got[:, 1:]) | ~valid.reshape(n_pages, Pg).any(1)[1:])
-    # the scoring copy is its own part of the cold store's memory
+    # the scoring copy is its own part of the cold store's memory, which holds the summaries its rule reads and no
+    # other: the reported bytes are the cache's cold arrays'
     pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
-    mean, best = (spec_for([pol], 0, cold=64, score=r) for r in ("mean", "max"))
-    extra = best.bytes_by_part()["cold_store"] - mean.bytes_by_part()["cold_store"]
-    assert extra == best.cold_slots * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
+    for rule in ("mean", "max", "quest", "shortlist"):
+        spec = spec_for([pol], 0, cold=64, score=rule)
+        cache = rj.init_cache(spec)
+        held = sum(getattr(cache, f).nbytes for f in ("cold_k", "cold_v", "cold_pos", "cold_sum", "cold_lo", "cold_hi",
+                                                      "cold_k_glob"))
+        assert spec.bytes_by_part()["cold_store"] == held, rule
+        assert (cache.cold_k_glob.size > 0) == (rule == "max") and (cache.cold_sum.size > 0) == (rule in ("mean", "shortlist"))
 
 
 def _unpack_int8_rows(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -506,16 +511,17 @@ def test_fact_probe_runs_every_arm_deterministically(tmp_path):
         F.FactConfig(str(text), arms=("sinkcache",))
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_page_summaries_match_the_stored_raw_keys(chunk):
-    """cold_sum / cold_lo / cold_hi of every page = the sum / min / max of its stored raw keys rotated at
-    their global positions (restarted pages forget their remnants), after a chunked stream."""
+@pytest.mark.parametrize("chunk,rule", [(1, "quest"), (3, "quest"), (3, "mean")])
+def test_page_summaries_match_the_stored_raw_keys(chunk, rule):
+    """cold_lo / cold_hi ("quest") or cold_sum ("mean") of every page = the min / max or sum of its stored raw keys
+    rotated at their global positions (restarted pages forget their remnants), after a chunked stream; a store
+    keeps only the summaries its rule reads."""
     from rsqr_jax.testing.oracle import rope_f64
 
     T = 45
     tokens = np.random.default_rng(drawn_seed("summaries")).integers(0, CFG.vocab_size, size=(1, T))
     pol = P.rsqr(8, 2, 3, 3, recall_pages=1)
-    spec = rj.CacheSpec.for_policies(pol, max_chunk=chunk, cold=rj.ColdStore(12, 4, "quest"), **DIMS)
+    spec = rj.CacheSpec.for_policies(pol, max_chunk=chunk, cold=rj.ColdStore(12, 4, rule), **DIMS)
     apply_fn, params = _model(0)
     dec = rj.Decoder(apply_fn, spec)
     cache = dec.init_cache()
@@ -531,9 +537,13 @@ def test_page_summaries_match_the_stored_raw_keys(chunk):
         if not held.any():
             continue
         r = rot[:, :, sl][:, :, held]  # [L, Hkv, n, D]
-        np.testing.assert_allclose(np.asarray(cache.cold_sum[:, 0, :, p]), r.sum(2), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(cache.cold_lo[:, 0, :, p]), r.min(2), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(cache.cold_hi[:, 0, :, p]), r.max(2), rtol=1e-4, atol=1e-4)
+        if rule == "mean":
+            np.testing.assert_allclose(np.asarray(cache.cold_sum[:, 0, :, p]), r.sum(2), rtol=1e-4, atol=1e-4)
+        else:
+            np.testing.assert_allclose(np.asarray(cache.cold_lo[:, 0, :, p]), r.min(2), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(cache.cold_hi[:, 0, :, p]), r.max(2), rtol=1e-4, atol=1e-4)
+    summaries = {"cold_sum": cache.cold_sum.size, "cold_lo": cache.cold_lo.size, "cold_hi": cache.cold_hi.size}
+    assert {k for k, n in summaries.items() if n} == ({"cold_sum"} if rule == "mean" else {"cold_lo", "cold_hi"})
 
 
 def test_quest_bound_matches_numpy_and_bounds_every_key():
@@ -709,7 +719,8 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
 
 def test_a_session_saved_with_the_int8_copy_kept_apart_loads_into_one_row_per_key(tmp_path):
     """A session file from when the int8 scoring copy kept its codes (int8 [.., D]) and scales (cold_k_scale) in
-    two arrays loads into today's packed rows, bit for bit the cache of the session that was saved."""
+    two arrays, and every rule's store kept its pages' sums, loads into today's packed rows and sum-less store, bit
+    for bit the cache of the session that was saved."""
     from rsqr_jax.session import Session
     from rsqr_jax.session_file import SessionFileError, read_session_file, write_session_file
 
@@ -726,6 +737,9 @@ def test_a_session_saved_with_the_int8_copy_kept_apart_loads_into_one_row_per_ke
     codes, scale = _unpack_int8_rows(arrays["cache.cold_k_glob"])
     assert np.abs(codes).max() > 0  # the store holds keys: the conversion is not vacuous
     arrays["cache.cold_k_glob"], arrays["cache.cold_k_scale"] = codes, scale
+    sums = arrays["cache.cold_sum"]
+    assert sums.shape[4] == 0  # the "max" rule reads no sums: none kept
+    arrays["cache.cold_sum"] = np.ones(sums.shape[:4] + (DIMS["head_dim"],), np.float32)
     header.pop("arrays"), header.pop("checksum")
     write_session_file(tmp_path / "old.session", header, arrays)
     old = Session.load(tmp_path / "old.session", apply_fn, params, ident)
@@ -796,14 +810,16 @@ def test_the_generation_loop_copies_no_whole_store(score):
     L, H, D, n = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, spec.cold_slots
     whole = [f"f32[{L},1,{H},{n // 16},{D}]", f"f32[{L},1,{H},{n},{D}]"]
     copies = [ln for ln in hlo.splitlines() if " copy(" in ln and any(f"= {w}" in ln for w in whole)]
-    assert f"{whole[0]}" in hlo and not copies, copies
+    # the summaries ("max" keeps none: its scoring copy is shaped like the store)
+    held = whole[0] if score != "max" else whole[1]
+    assert held in hlo and (whole[0] in hlo) == (score != "max") and not copies, copies
     # Nor does any step, the store empty or not, read or write one layer's summaries (or scoring copy) whole:
     # outside the recall branch (the conditional's true branch), the computation that calls it touches only
     # the chunk's pages and slots (reading a layer's summary whole and writing it back cost a slice, two
     # copies and a write of it per layer and step, with nothing to recall).
     layer = [f"f32[1,{H},{n // 16},{D}]", f"f32[1,1,{H},{n // 16},{D}]", f"f32[1,{H},{n},{D}]", f"f32[1,1,{H},{n},{D}]"]
     comps = hlo.split("\n}\n")
-    callers = [c for c in comps if " conditional(" in c and whole[0] in c]
+    callers = [c for c in comps if " conditional(" in c and held in c]
     whole_layer = [ln.strip()[:160] for c in callers for ln in c.splitlines()
                    if any(f"= {w}" in ln for w in layer) and "parameter(" not in ln]
     assert callers and not whole_layer, whole_layer

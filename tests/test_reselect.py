@@ -152,11 +152,11 @@ CFG3 = tiny_config(layers=3)
 DIMS3 = dict(num_layers=CFG3.num_layers, num_kv_heads=CFG3.num_kv_heads, head_dim=CFG3.head_dim)
 
 
-def _shared_stream(pol, share, tokens, *, rule="max", cold=16, page=4, chunk=1, seed=2):
+def _shared_stream(pol, share, tokens, *, rule="max", cold=16, page=4, chunk=1, seed=2, reselect=1):
     """Logits [T, V] (float64) and, after every step, the page choice and its mask [L, B, M] of each layer."""
     apply_fn, params = tiny_model(CFG3, seed)
-    spec = rj.CacheSpec.for_policies([pol], max_chunk=chunk, cold=rj.ColdStore(cold, page, rule, share_from=share),
-                                     **DIMS3)
+    spec = rj.CacheSpec.for_policies([pol], max_chunk=chunk, cold=rj.ColdStore(cold, page, rule, share_from=share,
+                                                                                reselect=reselect), **DIMS3)
     dec = rj.Decoder(apply_fn, spec)
     cache, logits, choices = dec.init_cache(), [], []
     for t in range(0, len(tokens), chunk):
@@ -166,17 +166,20 @@ def _shared_stream(pol, share, tokens, *, rule="max", cold=16, page=4, chunk=1, 
     return np.concatenate(logits), choices, spec
 
 
-def test_shared_choice_equals_the_float64_oracle_of_its_definition():
+@pytest.mark.parametrize("reselect", [1, 3])
+def test_shared_choice_equals_the_float64_oracle_of_its_definition(reselect):
     """share_from = 1 of 3 layers: layers 0 and 1 choose as they would unshared (their inputs do not depend on
     later layers, so their choices are the unshared run's, bit for bit), layer 2 holds layer 1's choice at every
     step, and the logits are the float64 oracle's with each layer attending the recallable tokens of the pages it
-    holds (the pages its own scores did not pick, for layer 2)."""
+    holds (the pages its own scores did not pick, for layer 2). With reselect 3 (decode.py pairs the two), two
+    steps in three attend the choices kept from the last scoring step, layer 2 layer 1's."""
     T, W, N, d, S, Pg = 56, 8, 2, 3, 3, 4
-    seed = drawn_seed("shared choice")
+    seed = drawn_seed(f"shared choice {reselect}")
     tokens = np.random.default_rng(seed).integers(0, CFG3.vocab_size, size=T)
     pol = P.rsqr(W, N, d, S, recall_pages=1)
-    got, choices, spec = _shared_stream(pol, 1, tokens)
-    _, own, _ = _shared_stream(pol, CFG3.num_layers - 1, tokens)  # every layer chooses (and keeps its choice)
+    got, choices, spec = _shared_stream(pol, 1, tokens, reselect=reselect)
+    # every layer chooses (and keeps its choice)
+    _, own, _ = _shared_stream(pol, CFG3.num_layers - 1, tokens, reselect=reselect)
     for (c, on), (c_own, on_own) in zip(choices, own):
         np.testing.assert_array_equal(c[:2], c_own[:2], err_msg=f"seed {seed}")
         np.testing.assert_array_equal(on[:2], on_own[:2], err_msg=f"seed {seed}")
