@@ -421,8 +421,8 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
         return buf, lambda: gather_layer_slots(buf, layer, all_pages)
 
     out = dict(cold_k=cold_k, cold_v=cold_v)
-    # The rule's own summaries only (spec.SUM_RULES): the others keep no sums, whose upkeep was a third of the
-    # cold writes' operations per layer and step.
+    # The rule's own summaries only: a rule that reads no sums (spec.SUM_RULES) keeps none, rather than updating
+    # them in every layer at every step for nothing.
     layer_sum = lambda: jnp.zeros(cache.cold_sum.shape[1:], cache.cold_sum.dtype)  # noqa: E731  (no sums kept)
     if cache.cold_sum.shape[4]:
         out["cold_sum"], layer_sum = summarize(cache.cold_sum, 0.0, "add")

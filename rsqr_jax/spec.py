@@ -190,7 +190,8 @@ class CacheSpec:
 
     @property
     def keeps_page_sums(self) -> bool:
-        """Whether the cold store keeps each page's sum of keys (KVCache.cold_sum; only its rule reads it, SUM_RULES)."""
+        """Whether the cold store keeps each page's sum of keys (KVCache.cold_sum: only for the rules that read
+        it, SUM_RULES)."""
         return self.page_score in SUM_RULES
 
     @property
