@@ -17,11 +17,16 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.e
 
 
 def xla_env() -> dict:
-    """This process's XLA optimization setting (tests/conftest.py _xla_optimizations) for a child process: a
-    script run for a tiny-model test compiles as the test does, one run for a real-model test at the defaults."""
+    """This process's XLA settings (tests/conftest.py: the optimizations, the code generator) for a child process:
+    a script run for a tiny-model test compiles as the test does, one run for a real-model test as users do (XLA's
+    defaults)."""
     import jax
 
-    return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1" if jax.config.read("jax_disable_most_optimizations") else "0"}
+    fast = jax.config.read("jax_disable_most_optimizations")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not fast:
+        flags = " ".join(f for f in flags.split() if f != os.environ.get("RSQR_TEST_XLA_FLAG"))
+    return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1" if fast else "0", "XLA_FLAGS": flags}
 
 
 def script_env() -> dict:

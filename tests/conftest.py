@@ -26,6 +26,22 @@ if os.environ.get("RSQR_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CA
     # 0.1 s: the model steps (0.5-5 s each), not the thousands of one-op eager compiles (~10 ms).
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
+# A directory shared by this run's processes (the pytest-xdist workers), for what is costly to build and the same
+# for every worker (smollm2_hf_model). Made by the first process, removed at its end, like the cache above.
+_RUN_DIR = None
+if "RSQR_TEST_RUN_DIR" not in os.environ:
+    _RUN_DIR = os.environ["RSQR_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="rsqr-test-run-")
+
+# XLA:CPU's code generator. Its fusion emitters (the default) spend longer compiling than the loop emitters
+# they replace, and the suite is mostly compilation (measured: the whole suite on 2 cores 1144 -> 836 s, every
+# test passing). So the test processes compile with the loop emitters; a script run for a real-model test
+# compiles as users do (tests/cli.py xla_env). Set before jax is imported. RSQR_TEST_XLA_FAST=0 keeps XLA's
+# defaults here too; an XLA_FLAGS that already names the emitters is left alone.
+_XLA_FAST = os.environ.get("RSQR_TEST_XLA_FAST", "1") != "0"
+if _XLA_FAST and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["RSQR_TEST_XLA_FLAG"] = "--xla_cpu_use_fusion_emitters=false"  # what tests/cli.py takes out again
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {os.environ['RSQR_TEST_XLA_FLAG']}".strip()
+
 from tests import hf_fixtures  # noqa: E402  (pytest puts the repo root first: pythonpath ["."])
 
 
@@ -34,8 +50,9 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if _COMPILE_CACHE is not None:
-        shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
+    for made in (_COMPILE_CACHE, _RUN_DIR):
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,11 +71,10 @@ def _release_compiled_executables():
 # on 2 cores with jax_disable_most_optimizations); the real model's programs run long enough that skipping it
 # makes them ~3x slower. So tests that use the real model (they request smollm2_path), and those marked
 # xla_optimized (a claim that two different programs give the same bits, or a tiny-model run long enough for
-# the optimizations to pay) compile at XLA's defaults - the compiled code users run - and every other test
-# compiles with jax_disable_most_optimizations (the same operations, less optimized machine code); script
-# subprocesses follow the test's setting (tests/cli.py xla_env). RSQR_TEST_XLA_FAST=0 compiles every test at
-# the defaults.
-_XLA_FAST = os.environ.get("RSQR_TEST_XLA_FAST", "1") != "0"
+# the optimizations to pay) compile at XLA's default optimization level (the code generator above aside), and
+# every other test compiles with jax_disable_most_optimizations (the same operations, less optimized machine
+# code); script subprocesses follow the test's setting (tests/cli.py xla_env: a real-model script compiles as
+# users do). RSQR_TEST_XLA_FAST=0 compiles every test at XLA's defaults.
 
 
 @pytest.fixture(autouse=True)
@@ -114,8 +130,20 @@ def smollm2_weights(smollm2_path, smollm2_config):
 
 @pytest.fixture(scope="session")
 def smollm2_hf_model(smollm2_path):
-    """transformers' own float32 loading of the same GGUF (independent dequantization and q/k un-permutation)."""
-    pytest.importorskip("torch")
+    """transformers' own float32 loading of the same GGUF (independent dequantization and q/k un-permutation).
+
+    Read from the GGUF once per run: the first worker pickles the model it loaded (torch.save, the same bits) into
+    the run's directory and the others load that (measured on 2 cores: the GGUF read 15-25 s, the copy < 1 s)."""
+    torch = pytest.importorskip("torch")
+    from filelock import FileLock
+
     from rsqr_jax.testing.hf_reference import hf_gguf_model
 
-    return hf_gguf_model(smollm2_path)
+    saved = os.path.join(os.environ["RSQR_TEST_RUN_DIR"], "smollm2_hf.pt")
+    with FileLock(saved + ".lock"):
+        if not os.path.isfile(saved):
+            model = hf_gguf_model(smollm2_path)
+            torch.save(model, saved + ".part")
+            os.replace(saved + ".part", saved)
+            return model
+    return torch.load(saved, weights_only=False)  # a file this run wrote

@@ -107,6 +107,13 @@ def test_rsqr_with_recall_equals_the_float64_rank_oracle():
     assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) < 2e-5
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _plan_and_commit(cache, policy, chunk, n_valid):
+    """One step's bookkeeping, compiled (one program per drawn shape, not one per operation and shape)."""
+    plan = plan_step(cache, policy, chunk, n_valid)
+    return commit(cache, plan), plan.recall.token_valid_Nc
+
+
 @settings(max_examples=25, deadline=None)
 @given(window=st.integers(2, 9), n_sink=st.integers(0, 3), block=st.integers(1, 3), page=st.integers(1, 4),
        cold_pages=st.integers(1, 4), chunk=st.integers(1, 3))
@@ -120,9 +127,8 @@ def test_cold_ring_keeps_what_the_model_says(window, n_sink, block, page, cold_p
     want = reference_cold_sets(T, window=window, n_sink=n_sink, block=block, page_size=page,
                                cold_slots=spec.cold_slots, chunk=chunk)
     for n, expected in want:
-        plan = plan_step(cache, pol, chunk, min(chunk, n - int(cache.t)))
-        cache = commit(cache, plan)
-        got = sorted(int(g) for g in np.asarray(cache.cold_pos)[np.asarray(plan.recall.token_valid_Nc)])
+        cache, token_valid_Nc = _plan_and_commit(cache, pol, chunk, min(chunk, n - int(cache.t)))
+        got = sorted(int(g) for g in np.asarray(cache.cold_pos)[np.asarray(token_valid_Nc)])
         assert got == expected, (n, got, expected)
         assert len(got) >= min(spec.cold.capacity, max(0, n - n_sink - window - block + 1))  # capacity honoured
 

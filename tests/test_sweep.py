@@ -116,7 +116,9 @@ def test_sharded_sweep_over_4_devices_equals_unsharded(tmp_path):
     experiment = {k: v for k, v in dataclasses.asdict(config).items() if k != "devices"}
     code = _CHILD.format(tokens=str(tmp_path / "tokens.npy"), grid=GRID, segment=SEGMENT, out=str(out),
                          experiment=experiment)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", **xla_env())
+    xla = xla_env()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **xla,
+           "XLA_FLAGS": f"{xla['XLA_FLAGS']} --xla_force_host_platform_device_count=4".strip()}
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
