@@ -25,7 +25,7 @@ def xla_env() -> dict:
     fast = jax.config.read("jax_disable_most_optimizations")
     flags = os.environ.get("XLA_FLAGS", "")
     if not fast:
-        flags = " ".join(f for f in flags.split() if f != os.environ.get("RSQR_TEST_XLA_FLAG"))
+        flags = " ".join(f for f in flags.split() if f != os.environ.get("RSQR_TEST_XLA_FLAG", ""))
     return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1" if fast else "0", "XLA_FLAGS": flags}
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -35,12 +37,21 @@ if "RSQR_TEST_RUN_DIR" not in os.environ:
 # XLA:CPU's code generator. Its fusion emitters (the default) spend longer compiling than the loop emitters
 # they replace, and the suite is mostly compilation (measured: the whole suite on 2 cores 1144 -> 836 s, every
 # test passing). So the test processes compile with the loop emitters; a script run for a real-model test
-# compiles as users do (tests/cli.py xla_env). Set before jax is imported. RSQR_TEST_XLA_FAST=0 keeps XLA's
+# compiles as users do (tests/cli.py xla_env). Set before jax is imported. Newer XLA (jax 0.11) has only the
+# fusion emitters and aborts on the flag, so the first process asks a child process whether this XLA knows it
+# (~2 s) and passes the answer on in RSQR_TEST_XLA_FLAG (empty: unknown). RSQR_TEST_XLA_FAST=0 keeps XLA's
 # defaults here too; an XLA_FLAGS that already names the emitters is left alone.
 _XLA_FAST = os.environ.get("RSQR_TEST_XLA_FAST", "1") != "0"
-if _XLA_FAST and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["RSQR_TEST_XLA_FLAG"] = "--xla_cpu_use_fusion_emitters=false"  # what tests/cli.py takes out again
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {os.environ['RSQR_TEST_XLA_FLAG']}".strip()
+if (_XLA_FAST and "RSQR_TEST_XLA_FLAG" not in os.environ
+        and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")):
+    _flag = "--xla_cpu_use_fusion_emitters=false"
+    _probe_env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip(),
+                  "JAX_PLATFORMS": "cpu"}
+    _probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=_probe_env,
+                            capture_output=True, timeout=300)
+    os.environ["RSQR_TEST_XLA_FLAG"] = _flag if _probe.returncode == 0 else ""  # what tests/cli.py takes out again
+    if _probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = _probe_env["XLA_FLAGS"]
 
 from tests import hf_fixtures  # noqa: E402  (pytest puts the repo root first: pythonpath ["."])
 
