@@ -639,6 +639,35 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
         B.BenchRecallConfig(str(text), (0, 30), page_size=4)
 
 
+def test_bench_recall_fill_gives_every_arm_a_filled_store_of_its_own_layout(tmp_path, monkeypatch):
+    """--fill: an arm starts from a fill whose cache has its shapes in every field (the max rule's scoring
+    copy in float32 or int8), so no part of its store is left empty while its cold_pos says full."""
+    import dataclasses as dc
+
+    from rsqr_jax.studies import recall_timing as B
+    from rsqr_jax.testing.tokenizer import ByteTokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    adopted = []
+    real = B._adopt
+
+    def record(session, src):
+        adopted.append([f.name for f in dc.fields(session.cache)
+                        if getattr(session.cache, f.name).shape != getattr(src.cache, f.name).shape])
+        real(session, src)
+
+    monkeypatch.setattr(B, "_adopt", record)
+    cfg = B.BenchRecallConfig(str(text), (0, 32), recall_pages=2, page_size=4, policy=P.rsqr(8, 2, 3, 3),
+                              prompt_tokens=40, new_tokens=2, rounds=1, page_scores=("max",),
+                              score_dtypes=("float32", "int8"), fill=True)
+    rows = B.run(cfg, *_model(0), CFG, ByteTokenizer(CFG.vocab_size))["rows"]
+    assert [(r["page_score"], r["score_dtype"]) for r in rows] == [(None, "float32"), ("max", "float32"), ("max", "int8")]
+    assert all(r["recallable"][0] > 0 for r in rows[1:])
+    assert adopted[:2] == [[], []]  # the two recalling arms: every field from a fill of their own layout
+    assert adopted[2] and all(name.startswith("cold_") for name in adopted[2])  # plain rsqr: no store
+
+
 def test_bench_recall_without_weights_runs_the_same_cache_on_a_projection_that_reads_none(tmp_path):
     """--no-weights: weightless_matmul gives each projection its output width (dense, block or tiled weights) without
     reading them, and a recalling arm runs on it against plain rsqr."""

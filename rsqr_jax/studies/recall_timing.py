@@ -4,9 +4,10 @@ overhead as a ratio, and the cold store's memory. Each prompt length is its own 
 the window leaves the store empty; longer ones fill it to prompt - window tokens, and past its capacity the
 ring wraps); each row reports how many tokens were recallable when its timing began and ended.
 
-`fill`: a long prompt that fills the store is fed once per store size with recall off (recall_pages = 0: the
-store is written as ever, nothing is scored), and every arm of that size starts from the filled state - so a
-full 64k-token store costs one plain prefill, not one recall prefill per arm. Plain rsqr starts from the
+`fill`: a long prompt that fills the store is fed once per store size, page rule and scoring copy with recall off
+(recall_pages = 0: the store, its summaries and its scoring copy are written as ever, nothing is scored), and
+every arm with that store starts from the filled state - so a full 64k-token store costs one plain prefill per
+store layout, not one recall prefill per arm. Plain rsqr starts from the
 same state without the store (the window and survivors do not depend on it)."""
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
     prompts = {n: read_tokens(tokenizer, cfg.text, n) for n in cfg.prompt_tokens}
     chunk = min(64, int(cfg.policy.window))
     sessions = {}  # (cold size, page rule or None, reselect, share_from, score dtype, prompt length) -> (session, ...)
-    filled = {}  # (cold size, prompt length) -> the Session fed with recall off (fill)
+    filled = {}  # (cold size, prompt length, page rule, score dtype) -> the Session fed with recall off (fill)
     for size in sorted(cfg.cold_sizes, reverse=cfg.fill):  # fill: plain rsqr takes a filled state
         for rule, every, share, sd in ([(r, e, sh, d) for r in cfg.page_scores for e in cfg.reselects
                                         for sh in cfg.share_froms for d in cfg.score_dtypes]
@@ -125,14 +126,17 @@ def run(cfg: BenchRecallConfig, apply_fn, params, model_config, tokenizer) -> di
                 if not cfg.fill:
                     s.feed(prompt)
                 else:
-                    src = next((v for (c, m), v in filled.items() if m == n and (c == size or not size)), None)
-                    if src is None:  # this size's fill: the same spec, recall off
+                    # A store's fill serves the arms whose cold store has its shapes (a page rule's summaries, the
+                    # scoring copy); plain rsqr takes any fill of its prompt.
+                    src = next((v for (c, m, r, d), v in filled.items()
+                                if m == n and (not size or (c, r, d) == (size, rule, sd))), None)
+                    if src is None:  # this store's fill: the same spec, recall off
                         src = Session(apply_fn, params, spec, pol.replace(recall_pages=0), prefill_chunk=chunk)
                         t0 = time.perf_counter()
                         src.feed(prompt)
                         status(f"bench_recall: cold {size}: {n} prompt tokens fed with recall off in "
                                f"{time.perf_counter() - t0:.0f}s")
-                        filled[size, n] = src
+                        filled[size, n, rule, sd] = src
                     _adopt(s, src)
                 sessions[size, rule, every, share, sd, n] = (s, spec.bytes_by_part(pol), _recallable(s))
             status(f"bench_recall: cold {size} ({rule or 'no recall'}, reselect {every}, share from {share}, {sd}): compiled in "
