@@ -24,7 +24,8 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   recallable once it has left the window; the window itself is never read from here.
 * cold_choice / cold_choice_on [L, B, M or 0], cold_step [1 or 0]: with ColdStore.reselect > 1 (or share_from),
   the pages each layer chose when it last scored the store (M = recall_pages_gathered, with an active mask; a
-  layer after share_from reads the sharing layer's row) and the step count that says when it scores again;
+  layer that shares another's choice, ColdStore.share_from, reads that layer's row) and the step count that says
+  when it scores again;
   empty otherwise.
 * loc_k / loc_v [Lloc, B, Hkv, Wl, D], loc_pos [Wl]: the rings of a hybrid model's local (sliding-window)
   layers (CacheSpec.local_layers rings of local_window slots; empty otherwise; rsqr_jax.hybrid). Keys rotated

@@ -107,11 +107,13 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         return attend(*plain_win, *plain), cache
 
     Pg = cache.cold_pos.shape[0] // cache.cold_sum.shape[3]
-    # ColdStore.share_from = r: a layer after r attends the pages layer r chose this step (layers run in order,
-    # so layer r has written its choice) and scores nothing; layers up to r choose their own.
-    chooser, now = layer, rc.reselect_now
+    # ColdStore.share_from: a layer attends the pages its source layer chose this step (layers run in order, so
+    # the source has written its choice) and scores nothing, or, with source -1, recalls nothing; a layer that
+    # is its own source chooses.
+    chooser, now, recalls = layer, rc.reselect_now, None
     if rc.share_from is not None:
-        chooser, now = jnp.minimum(layer, rc.share_from), rc.reselect_now & (layer <= rc.share_from)
+        source = jnp.asarray(rc.share_from, jnp.int32)[layer]
+        chooser, now, recalls = jnp.maximum(source, 0), rc.reselect_now & (source == layer), source >= 0
     kept = (cache.cold_choice[chooser], cache.cold_choice_on[chooser]) if rc.keeps_choice else None
 
     def with_recall():  # the recall tier (rsqr_jax.recall)
@@ -141,7 +143,11 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         # is a select that runs both branches) the price is one plain attention per layer, not a select of the
         # cache.
         return jax.lax.cond(rc.live_pages > 0, lambda: with_recall()[0], lambda: attend(*plain_win, *plain)), cache
-    out, (idx, active) = (with_recall() if not rc.score_block else
-                          jax.lax.cond(rc.live_pages > 0, with_recall, lambda: (attend(*plain_win, *plain), kept)))
+    live = rc.live_pages > 0 if rc.score_block else None  # None: recall at every step
+    if recalls is not None:
+        live = recalls if live is None else live & recalls
+    # a layer without recall this step attends as plain rsqr and keeps its choice
+    out, (idx, active) = (with_recall() if live is None else
+                          jax.lax.cond(live, with_recall, lambda: (attend(*plain_win, *plain), kept)))
     return out, cache.replace(cold_choice=cache.cold_choice.at[layer].set(idx),
                               cold_choice_on=cache.cold_choice_on.at[layer].set(active))

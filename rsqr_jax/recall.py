@@ -61,7 +61,8 @@ class Recall:
     global position the "fixed" placement rotates every recalled key at (the chunk's first position minus the
     policy's window); keeps_choice (static): layers keep their page choice in the cache between scorings
     (ColdStore.reselect > 1, or share_from); reselect_now: this step scores the store and chooses afresh;
-    share_from (static, ColdStore.share_from; None = none): the layer whose choice every later layer attends."""
+    share_from (static, ColdStore.choice_sources; None = every layer chooses): per layer, the layer whose choice it
+    attends (-1: none)."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -79,7 +80,7 @@ class Recall:
     fixed_pos: jax.Array | None = None
     keeps_choice: bool = False
     reselect_now: jax.Array | None = None
-    share_from: int | None = None
+    share_from: tuple[int, ...] | None = None
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                 hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:

@@ -47,6 +47,17 @@ DEFAULT_PLACEMENT = "rank"
 PIN_SPANS = 8
 
 
+def _check_choice_sources(sources: tuple) -> None:
+    """ColdStore.share_from as a tuple: each layer attends its own choice, an earlier chooser's, or none (-1)."""
+    for layer, src in enumerate(sources):
+        if isinstance(src, bool) or not isinstance(src, int) or not -1 <= src <= layer:
+            raise ValueError(f"share_from: layer {layer} may attend its own choice ({layer}), an earlier layer's or "
+                             f"none (-1), got {src!r}")
+        if src >= 0 and sources[src] != src:
+            raise ValueError(f"share_from: layer {layer} attends layer {src}'s choice, but layer {src} does not "
+                             f"choose its own pages")
+
+
 @dataclasses.dataclass(frozen=True)
 class ColdStore:
     """The recall tier's cold store as one value, `CacheSpec.cold` (docs/design.md §3b): capacity (evicted
@@ -58,7 +69,11 @@ class ColdStore:
     chooses its own pages; a policy-layer index r: layers 0..r choose their own and every later layer attends
     the pages layer r chose in the same step, so the store is scored in r + 1 layers instead of all: the
     measured reason is that a few middle layers find the fact's page far more often than the rest,
-    docs/recall_tier.md) and score_dtype (SCORE_DTYPES: the "max" rule's scoring copy in float32 or int8). The
+    docs/recall_tier.md; or a tuple, one entry per layer from layer 0: the layer whose choice that layer attends -
+    itself (it scores the store), an earlier layer that chooses its own (that layer's choice of the same step) or
+    -1 (it recalls nothing: a layer whose own choice is close to arbitrary); layers past the tuple's end choose
+    their own, `choice_sources` spells it out) and score_dtype (SCORE_DTYPES: the "max" rule's scoring copy in
+    float32 or int8). The
     placement is static, a compilation of its own: "rank" extends the raw segment and the others the window
     segment, so a dynamic choice would carry both in every step. Validated here, once; ValueError on impossible
     values."""
@@ -84,9 +99,14 @@ class ColdStore:
             raise ValueError(f"recall neighbors must be >= 0, got {self.neighbors}")
         if isinstance(self.reselect, bool) or not isinstance(self.reselect, int) or self.reselect < 1:
             raise ValueError(f"reselect must be an integer >= 1 (1 = choose pages at every step), got {self.reselect!r}")
-        if self.share_from is not None and (isinstance(self.share_from, bool) or
-                                            not isinstance(self.share_from, int) or self.share_from < 0):
-            raise ValueError(f"share_from must be a layer index >= 0 or None, got {self.share_from!r}")
+        if isinstance(self.share_from, list):  # from a session file's JSON
+            object.__setattr__(self, "share_from", tuple(self.share_from))
+        if isinstance(self.share_from, tuple):
+            _check_choice_sources(self.share_from)
+        elif self.share_from is not None and (isinstance(self.share_from, bool) or
+                                              not isinstance(self.share_from, int) or self.share_from < 0):
+            raise ValueError(f"share_from must be a layer index >= 0, a tuple of one source per layer, or None, got "
+                             f"{self.share_from!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
         if self.score_dtype not in SCORE_DTYPES:
@@ -95,6 +115,15 @@ class ColdStore:
     @property
     def pages(self) -> int:
         return self.capacity // self.page_size
+
+    def choice_sources(self, num_layers: int) -> tuple[int, ...] | None:
+        """share_from as one source per layer (None when every layer chooses its own): the layer whose page choice
+        each layer attends, -1 for none."""
+        if self.share_from is None:
+            return None
+        if isinstance(self.share_from, int):
+            return tuple(min(layer, self.share_from) for layer in range(num_layers))
+        return self.share_from + tuple(range(len(self.share_from), num_layers))
 
     @classmethod
     def from_json(cls, d: dict | None) -> "ColdStore | None":
@@ -154,7 +183,11 @@ class CacheSpec:
         if self.max_recall_pages > self.cold_pages:
             raise ValueError(f"max_recall_pages {self.max_recall_pages} exceeds the cold store's "
                              f"{self.cold_pages} pages")
-        if self.cold is not None and self.cold.share_from is not None and self.cold.share_from >= self.num_layers:
+        if self.cold is not None and isinstance(self.cold.share_from, tuple):
+            if len(self.cold.share_from) > self.num_layers:
+                raise ValueError(f"share_from names {len(self.cold.share_from)} layers; {self.num_layers} layers "
+                                 f"recall")
+        elif self.cold is not None and self.cold.share_from is not None and self.cold.share_from >= self.num_layers:
             raise ValueError(f"share_from {self.cold.share_from} is not one of the {self.num_layers} layers that "
                              f"recall")
         if self.cold is not None and self.cold.score_dtype == "int8" and self.head_dim % 4:
@@ -242,7 +275,8 @@ class CacheSpec:
             return {}
         return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.cold.neighbors,
                 "recall_shortlist": self.shortlist_pages, "page_score": self.cold.page_score,
-                "placement": self.cold.placement, "reselect": self.cold.reselect, "share_from": self.cold.share_from}
+                "placement": self.cold.placement, "reselect": self.cold.reselect,
+                "share_from": self.cold.choice_sources(self.num_layers)}
 
     @property
     def shortlist_pages(self) -> int:

@@ -125,7 +125,7 @@ def _pinned(g_N: jax.Array, cache: KVCache) -> jax.Array:
 def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
               max_recall_pages: int = 0, recall_neighbors: int = 0, recall_shortlist: int = 0,
               page_score: str = "mean", placement: str = "rank", reselect: int = 1,
-              share_from: int | None = None) -> StepPlan:
+              share_from: tuple[int, ...] | None = None) -> StepPlan:
     """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
 
     Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
@@ -134,7 +134,7 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     many cold pages a layer may choose, the pages on each side of a chosen one that come with it, the
     "shortlist" rule's page count, the rule itself (which page summaries the cold store keeps and scores) and
     where recalled tokens sit (spec.PLACEMENTS), how often a layer chooses its pages afresh (ColdStore.reselect),
-    and the layer whose choice the later layers attend (ColdStore.share_from).
+    and, per layer, the layer whose choice it attends (ColdStore.choice_sources; None: its own).
     """
     C = chunk
     n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)

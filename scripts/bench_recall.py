@@ -17,6 +17,7 @@ from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rsqr_jax.spec import ColdStore
     from rsqr_jax.studies import recall_timing as B
 
     p = Parser(description=__doc__.splitlines()[0])
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                    "e.g. 1,4,8 (ColdStore.reselect; 1 = every step)")
     p.add_argument("--share-choice-from", default="none", metavar="LAYERS",
                    help="a list to compare, e.g. none,18: layers after LAYER attend the pages LAYER chose "
-                   "(ColdStore.share_from; none = every layer chooses)")
+                   "(ColdStore.share_from; none = every layer chooses); per-layer sources (LAYERS:SOURCE,...) as "
+                   "arms separated by ';', e.g. '14;0-1:none,10-13:9,15-29:14'")
     p.add_argument("--score-dtypes", default="float32", help="the max rule's scoring copy, a list to compare, e.g. "
                    "float32,int8 (ColdStore.score_dtype)")
     p.add_argument("--prompt-tokens", default="512", help="prompt lengths, one arm each, e.g. 32,2048 (a prompt "
@@ -62,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--reselect must be comma-separated integers, got {args.reselect!r}")
     try:
-        shares = tuple(None if v < 0 else v for v in map(layer_or_none, args.share_choice_from.split(",")))
-    except argparse.ArgumentTypeError:
-        p.error(f"--share-choice-from must be comma-separated layers or none, got {args.share_choice_from!r}")
+        arms = args.share_choice_from.split(";" if ":" in args.share_choice_from else ",")
+        shares = tuple(None if v == -1 else v for v in map(layer_or_none, arms))
+        for share in shares:
+            ColdStore(share_from=share)  # per-layer sources: each a chooser's
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        p.error(f"--share-choice-from must be comma-separated layers or none, or per-layer sources separated by ';' "
+                f"({e}), got {args.share_choice_from!r}")
     if args.quick:
         sizes, args.new_tokens, args.rounds = (0, 256), 8, 1
     rules = {"page_scores": tuple(args.page_scores.split(","))} if args.page_scores else {}

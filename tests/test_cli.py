@@ -196,9 +196,10 @@ def test_policy_flags_take_the_library_defaults_and_a_subset_builds_the_same_pol
 
 
 def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_off(tmp_path):
-    """decode.py on the embedded model: layers after 14 attend layer 14's choice, chosen every 4th step from the
-    int8 scoring copy; on another model every layer chooses at every step from the float32 copy; `--share-choice-from none` and a resumed session that did not share
-    keep every layer choosing."""
+    """decode.py on the embedded model: 9 layers choose every 4th step from the int8 scoring copy (layers 10-13
+    attend layer 9's choice, 15-29 layer 14's, 0-1 recall nothing); on another model every layer chooses at every
+    step from the float32 copy; `--share-choice-from none` and a resumed session that did not share keep every
+    layer choosing; a session saved with one source per layer keeps them."""
     from rsqr_jax.cli.args import UsageError, cold_store_flags, resolve_recall_default
     from rsqr_jax.cli.chat import SHARE_NONE, saved_settings
     from rsqr_jax.cli.decode import build_parser
@@ -211,14 +212,20 @@ def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_o
 
     model = tmp_path / "other.gguf"
     model.write_bytes(b"")
-    assert cold([]) == ColdStore(reselect=4, share_from=14, score_dtype="int8")
+    sources = cold(["--share-choice-from", "0-1:none,10-13:9,15-29:14"]).share_from
+    assert cold([]) == ColdStore(reselect=4, share_from=sources, score_dtype="int8")
+    assert cold([]).choice_sources(30) == (-1, -1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 9) + (14,) * 16
     assert cold(["--model", str(model)]) == ColdStore()
     assert cold(["--share-choice-from", "none"]) == ColdStore(reselect=4, score_dtype="int8")
     assert cold(["--share-choice-from", "20", "--reselect", "1", "--score-dtype", "float32"]) == ColdStore(share_from=20)
+    per_layer = cold(["--share-choice-from", "0-1:none,5:3,7-8:6"])  # the layers between choose their own
+    assert per_layer.share_from == (-1, -1, 2, 3, 4, 3, 6, 6, 6)
     with pytest.raises(UsageError, match="unknown score dtype 'int4'"):
         cold(["--score-dtype", "int4"])
-    for saved, want in ((None, SHARE_NONE), (14, 14)):  # a session saved unshared, and one shared from 14
-        spec = CacheSpec(30, 1, 3, 64, 8, 4, cold=ColdStore(share_from=saved), max_recall_pages=4)
+    # a session saved unshared, one shared from 14, and one with a source per layer
+    for saved, want in ((None, SHARE_NONE), (14, 14), ((-1, 1, 1), (-1, 1, 1))):
+        spec = CacheSpec.from_json(json.loads(json.dumps(  # through a session file's JSON
+            CacheSpec(30, 1, 3, 64, 8, 4, cold=ColdStore(share_from=saved), max_recall_pages=4).to_json())))
         header = {"policy": {"mode": 7, "overflow": 0, **dict.fromkeys(
                       ("window", "n_sink", "delta", "max_survivors", "block", "recall_pages"), 0)},
                   "spec": spec.to_json(), "prefill_chunk": 8, "seed": 0, "identity": {}, "extra": {},

@@ -581,6 +581,9 @@ RECALL_FLAGS = [
     (["--recall-pages", "300", "--cold-capacity", "64"], "exceeds the cold store's 4 pages"),
     (["--recall-pages", "4", "--page-score", "maximum"], "unknown page score 'maximum'"),
     (["--recall-pages", "4", "--recall-neighbors", "-1"], "recall neighbors must be >= 0"),
+    (["--recall-pages", "4", "--share-choice-from", "3:5"], "layer 3 may attend its own choice"),
+    (["--recall-pages", "4", "--share-choice-from", "1:0,2-4:1"], "layer 2 attends layer 1's choice, but layer 1"),
+    (["--recall-pages", "4", "--share-choice-from", "0-1:all"], "LAYER[-LAYER]:SOURCE items"),
 ]
 COLD_TOO_LARGE = ("decode.py", ["--recall-pages", "4", "--cold-capacity", str(1 << 30)])
 

@@ -207,5 +207,57 @@ def test_sharing_from_the_last_layer_is_the_plain_tier_and_a_bad_layer_is_refuse
     assert np.abs(first - plain).max() > 1e-3  # sharing layer 0's choice changes what layers 1 and 2 attend
     with pytest.raises(ValueError, match="share_from 3 is not one of the 3 layers that recall"):
         rj.CacheSpec.for_policies([pol], cold=rj.ColdStore(16, 4, share_from=3), **DIMS3)
-    with pytest.raises(ValueError, match="share_from must be a layer index >= 0 or None"):
+    with pytest.raises(ValueError, match="share_from must be a layer index >= 0, a tuple of one source per layer"):
         rj.ColdStore(16, 4, share_from=-1)
+
+
+# --- ColdStore.share_from as one source per layer: choose, share an earlier layer's choice, or recall nothing ---
+
+
+@pytest.mark.parametrize("reselect", [1, 3])
+def test_per_layer_sources_equal_the_float64_oracle_of_their_definition(reselect):
+    """share_from = (-1, 1, 1) on 3 layers: layer 0 attends no recalled token, layer 1 chooses, layer 2 holds layer
+    1's choice at every step; the logits are the float64 oracle's with each layer attending exactly that."""
+    T, W, N, d, S, Pg = 56, 8, 2, 3, 3, 4
+    seed = drawn_seed(f"per-layer sources {reselect}")
+    tokens = np.random.default_rng(seed).integers(0, CFG3.vocab_size, size=T)
+    pol = P.rsqr(W, N, d, S, recall_pages=1)
+    got, choices, spec = _shared_stream(pol, (-1, 1, 1), tokens, reselect=reselect)
+    assert any(on[1].any() for _, on in choices), f"seed {seed}: nothing recalled"
+    for c, on in choices:
+        np.testing.assert_array_equal(c[2], c[1], err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(on[2], on[1], err_msg=f"seed {seed}")
+    sets = reference_token_sets(T, window=W, n_sink=N, delta=d, max_survivors=S, block=1)
+    cold = reference_cold_sets(T, window=W, n_sink=N, block=1, page_size=Pg, cold_slots=spec.cold_slots)
+    page_of = lambda g: ((g - N) % spec.cold_slots) // Pg  # noqa: E731
+    token_sets = []
+    for (_, base), (_, recallable), (c, on) in zip(sets, cold, choices):
+        pages = [set()] + [{int(p) for p, a in zip(c[layer, 0], on[layer, 0]) if a} for layer in (1, 2)]
+        token_sets.append([sorted(set(base) | {g for g in recallable if page_of(g) in pages[layer]})
+                           for layer in range(CFG3.num_layers)])
+    want = stream_logits_f64(tiny_weights(CFG3, 2), CFG3, tokens, token_sets, "rank")
+    assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) < 2e-5, f"seed {seed}"
+    # the oracle tells the layers apart: with layer 0 recalling too, the logits move
+    recall0, _, _ = _shared_stream(pol, (0, 1, 1), tokens, reselect=reselect)
+    assert np.abs(recall0 - got).max() > 1e-3, f"seed {seed}"
+
+
+def test_per_layer_sources_spell_the_shared_layer_and_bad_sources_are_refused():
+    """A tuple that says what share_from = r says is that run bit for bit (the sources are all the plan reads);
+    layers past the tuple's end choose their own; a layer may not attend a later layer's choice, nor the choice
+    of a layer that does not choose."""
+    tokens = np.random.default_rng(drawn_seed("sources spell share")).integers(0, CFG3.vocab_size, size=48)
+    pol = P.rsqr(8, 2, 3, 3, recall_pages=2)
+    shared, _, _ = _shared_stream(pol, 1, tokens, chunk=4, reselect=3)
+    spelled, _, _ = _shared_stream(pol, (0, 1, 1), tokens, chunk=4, reselect=3)
+    np.testing.assert_array_equal(spelled, shared)
+    assert rj.ColdStore(16, 4, share_from=1).choice_sources(3) == (0, 1, 1)
+    assert rj.ColdStore(16, 4, share_from=(-1,)).choice_sources(3) == (-1, 1, 2)
+    assert rj.ColdStore(16, 4, share_from=[0, 0]).share_from == (0, 0)  # a session file's JSON list
+    for bad, msg in [((1,), r"layer 0 may attend its own choice \(0\), an earlier layer's or none"),
+                     ((0, 2, 2), "layer 1 may attend"), ((-1, 0), "layer 0 does not choose its own pages"),
+                     ((0, True), "layer 1 may attend"), ((-2,), "layer 0 may attend")]:
+        with pytest.raises(ValueError, match=msg):
+            rj.ColdStore(16, 4, share_from=bad)
+    with pytest.raises(ValueError, match="share_from names 4 layers; 3 layers recall"):
+        rj.CacheSpec.for_policies([pol], cold=rj.ColdStore(16, 4, share_from=(0, 1, 2, 3)), **DIMS3)

@@ -117,7 +117,8 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
     g.add_argument("--share-choice-from", type=layer_or_none, default=None, metavar="LAYER",
                    help="layers after LAYER attend the pages LAYER chose instead of scoring the store themselves "
                    "(the store is scored in LAYER + 1 layers, not all); none: every layer chooses (the default, "
-                   "except decode.py on the embedded model: 14)")
+                   "except decode.py on the embedded model); or per layer, e.g. 0-1:none,10-13:9,15-29:14 (layers "
+                   "0-1 recall nothing, 10-13 attend layer 9's choice, 15-29 layer 14's, the rest choose their own)")
     g.add_argument("--score-dtype", default=None,
                    help="the max rule's scoring copy of the cold keys: float32 (exact scores; the default, except "
                    "decode.py on the embedded model: int8) or int8 (a code per value and a scale per key, scored by "
@@ -143,19 +144,41 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "blocks on a CPU, dense elsewhere")
 
 
-def layer_or_none(text: str) -> int:
-    """--share-choice-from: a layer index, or none (chat.SHARE_NONE: every layer chooses)."""
+def layer_or_none(text: str) -> int | tuple[int, ...]:
+    """--share-choice-from: a layer index, none (chat.SHARE_NONE: every layer chooses), or per-layer sources
+    (`choice_sources`)."""
     from rsqr_jax.cli.chat import SHARE_NONE
 
     if text.strip().lower() == "none":
         return SHARE_NONE
+    if ":" in text:
+        return choice_sources(text)
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a layer index or none, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"a layer index, none or LAYERS:SOURCE,..., got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a layer index >= 0 or none, got {value}")
     return value
+
+
+def choice_sources(text: str) -> tuple[int, ...]:
+    """'0-1:none,10-13:9,15-29:14' -> ColdStore.share_from as a tuple: each named layer (or range) attends the
+    source's page choice (none: recalls nothing); an unnamed layer chooses its own."""
+    sources: dict[int, int] = {}
+    for item in text.split(","):
+        layers, _, source = item.strip().partition(":")
+        first, _, last = layers.partition("-")
+        try:
+            lo, hi = int(first), int(last or first)
+            src = -1 if source.strip().lower() == "none" else int(source)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"LAYER[-LAYER]:SOURCE items (SOURCE a layer or none), got {item!r}") from None
+        if lo < 0 or hi < lo or src < -1:
+            raise argparse.ArgumentTypeError(f"layers from >= 0 to a later one and a source >= 0 or none, got {item!r}")
+        sources.update(dict.fromkeys(range(lo, hi + 1), src))
+    return tuple(sources.get(layer, layer) for layer in range(max(sources) + 1))
 
 
 def resolve_recall_default(args) -> None:
@@ -189,6 +212,7 @@ def policy_from_args(args, **fields):
 def cold_store_flags(args):
     """The ColdStore of --cold-capacity --page-size --page-score --recall-neighbors --placement; one-line
     errors."""
+    from rsqr_jax.cli.chat import SHARE_NONE
     from rsqr_jax.spec import ColdStore
 
     try:
@@ -197,7 +221,7 @@ def cold_store_flags(args):
             rule["placement"] = args.placement
         if getattr(args, "reselect", None) is not None:
             rule["reselect"] = args.reselect
-        if getattr(args, "share_choice_from", None) is not None and args.share_choice_from >= 0:
+        if getattr(args, "share_choice_from", None) is not None and args.share_choice_from != SHARE_NONE:
             rule["share_from"] = args.share_choice_from
         if getattr(args, "score_dtype", None) is not None:
             rule["score_dtype"] = args.score_dtype
@@ -224,10 +248,13 @@ def check_share_layer(args, model_config, share: int | None = None) -> None:
     """--share-choice-from (or `share`) names one of the model's layers that recall (a hybrid model's
     sliding-window layers do not): a one-line error."""
     share = getattr(args, "share_choice_from", None) if share is None else share
-    if not isinstance(share, int) or share < 0 or not getattr(args, "recall_pages", 0):
+    if not getattr(args, "recall_pages", 0):
         return
     n = model_config.num_layers - int(getattr(model_config, "local_layers", 0) or 0)
-    if share >= n:
+    if isinstance(share, tuple) and len(share) > n:
+        raise UsageError(f"--share-choice-from names layer {len(share) - 1}: the model has {n} layers that recall "
+                         f"(0..{n - 1})")
+    if isinstance(share, int) and share >= n:
         raise UsageError(f"--share-choice-from {share}: the model has {n} layers that recall (0..{n - 1})")
 
 

@@ -82,18 +82,20 @@ SHARE_NONE = -1  # --share-choice-from none: every layer chooses its own pages
 # closing question is lost with the window (README; docs/recall_tier.md). Other policies keep their
 # published behaviour (off).
 DEFAULT_RECALL_PAGES = 4
-# ...and, on the embedded model, layers after 14 (of 30) attend layer 14's page choice, chosen afresh every 4th
-# decode step: 72/80 facts of the fact probe against 70/80 when every layer chooses at every step, at 1.19x plain
-# rsqr's time per token instead of 1.83x with a full 4096-token store (docs/recall_tier.md §9). Choosing every 4th
+# ...and, on the embedded model, pages chosen afresh every 4th decode step, by 9 of its 30 layers: layers 2-9 and
+# 14 choose, 10-13 attend layer 9's choice and 15-29 layer 14's, and layers 0-1 recall nothing (their own choice
+# is close to arbitrary; docs/recall_tier.md §3, §9, §12: 71/80 facts of the fact probe, 72/80 with layers 0-14 all
+# choosing, at 1.67x plain rsqr's time per token instead of 2.0x with a full 64k-token store). Choosing every 4th
 # step without sharing recalled 57/80 (§8). On another model (--model) every layer chooses at every step (the
-# library's defaults): the layer is the embedded model's.
+# library's defaults): the layers are the embedded model's.
 DEFAULT_RESELECT = 4
-DEFAULT_SHARE_FROM = 14
+# --share-choice-from 0-1:none,10-13:9,15-29:14:
+DEFAULT_SHARE_FROM = (-1, -1) + tuple(range(2, 10)) + (9,) * 4 + (14,) * 16
 # And the int8 scoring copy: the same facts on the probe, a quarter of the copy's bytes (docs/recall_tier.md §10).
 DEFAULT_SCORE_DTYPE = "int8"
 
 
-def recall_choice_defaults(embedded: bool) -> tuple[int, int | None, str]:
+def recall_choice_defaults(embedded: bool) -> tuple[int, int | tuple[int, ...] | None, str]:
     """(reselect, share_from, score_dtype) decode.py uses when --reselect / --share-choice-from / --score-dtype
     are not given."""
     return (DEFAULT_RESELECT, DEFAULT_SHARE_FROM, DEFAULT_SCORE_DTYPE) if embedded else (1, None, "float32")

@@ -47,7 +47,7 @@ class MemoryConfig:
     history: tuple[str, ...] = ()  # recorded replies to every turn but the question (then only the answer is sampled)
     # The recall arm's page choice: decode.py's on the embedded model (chat.recall_choice_defaults).
     reselect: int = chat.DEFAULT_RESELECT
-    share_from: int | None = chat.DEFAULT_SHARE_FROM
+    share_from: int | tuple[int, ...] | None = chat.DEFAULT_SHARE_FROM
     score_dtype: str = chat.DEFAULT_SCORE_DTYPE
 
     def __post_init__(self):

@@ -38,7 +38,7 @@ class BenchRecallConfig:
     rounds: int = 3
     page_scores: tuple[str, ...] = (DEFAULT_PAGE_SCORE,)  # every recalling size runs under each rule (spec.PAGE_SCORES)
     reselects: tuple[int, ...] = (1,)  # and under each ColdStore.reselect (pages chosen afresh every k steps)
-    share_froms: tuple[int | None, ...] = (None,)  # and each ColdStore.share_from (None: every layer chooses)
+    share_froms: tuple = (None,)  # and each ColdStore.share_from (None: every layer chooses; a layer or a tuple)
     score_dtypes: tuple[str, ...] = ("float32",)  # and each ColdStore.score_dtype (the "max" rule's scoring copy)
     fill: bool = False  # feed each size's prompt once with recall off; every arm starts from that state
 
@@ -55,7 +55,7 @@ class BenchRecallConfig:
             raise ConfigError(f"--page-scores must be a list of {', '.join(PAGE_SCORES)}, got {self.page_scores}")
         if not self.reselects or min(self.reselects) < 1:
             raise ConfigError(f"--reselect must be a list of integers >= 1, got {self.reselects}")
-        if not self.share_froms or any(r is not None and r < 0 for r in self.share_froms):
+        if not self.share_froms or any(isinstance(r, int) and r < 0 for r in self.share_froms):
             raise ConfigError(f"--share-choice-from must be a list of layers >= 0 or 'none', got {self.share_froms}")
         from rsqr_jax.spec import SCORE_DTYPES
 
@@ -179,6 +179,9 @@ def markdown(result: dict) -> str:
 
 def _shared(row: dict) -> str:
     share = row.get("share_from")
+    if isinstance(share, (list, tuple)):  # one source per layer: the layers that score, share and recall nothing
+        own = [i for i, src in enumerate(share) if src == i]
+        return f"per layer ({len(own)} choose, {sum(src < 0 for src in share)} recall nothing)"
     return "every layer chooses" if share is None else f"layer {share}"
 
 
