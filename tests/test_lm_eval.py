@@ -151,6 +151,13 @@ def test_recall_model_arguments_reach_the_cold_store():
     assert RsqrLM.from_model_args(args, pieces=pieces).engine.spec.cold == ColdStore(32, 4, "mean")
     with pytest.raises(ConfigError, match="share_from 2 is not one of the 2 layers that recall"):
         RsqrLM.from_model_args(args + "share_from=2", pieces=pieces)
+    # one source per layer, ';'-separated (lm-eval splits model arguments at ','): layer 0 recalls nothing
+    per_layer = RsqrLM.from_model_args(args + "reselect=3,share_from=0:none;1:1", pieces=pieces)
+    assert per_layer.engine.spec.cold == ColdStore(32, 4, "mean", reselect=3, share_from=(-1, 1))
+    with pytest.raises(ConfigError, match="LAYER.-LAYER.:SOURCE items"):
+        RsqrLM.from_model_args(args + "share_from=0:all", pieces=pieces)
+    with pytest.raises(ConfigError, match="layer 1 attends layer 0's choice, but layer 0 does not"):
+        RsqrLM.from_model_args(args + "share_from=0:none;1:0", pieces=pieces)
 
 
 def test_sequential_engine_scores_equal_stream_nll_on_a_tiny_model():

@@ -222,3 +222,31 @@ def test_start_answers_only_later_samples_and_follows_the_earlier_report(quick, 
     other["cells"][answer]["rsqr"]["targets"][0] = ["not", "these"]
     with pytest.raises(ConfigError, match=f"{answer} / rsqr: the earlier report's samples are not these"):
         merge_reports(other, alone)
+
+
+def test_per_layer_page_choice_reaches_the_model_arguments_and_reports_merge_after_a_json_round_trip():
+    """--share-choice-from with one source per layer (decode.py's choice on the embedded model): the recall arm's
+    model arguments carry it in the ';'-separated form lm-eval passes through, which reads back to the same
+    sources; a report read back from JSON (lists) merges with one in memory (tuples)."""
+    from rsqr_jax.cli.chat import DEFAULT_SHARE_FROM
+    from rsqr_jax.cli.eval_ruler import build_parser, spec_from
+    from rsqr_jax.eval.lm_eval_model import check_model_args
+    from rsqr_jax.eval.ruler import merge_reports
+    from rsqr_jax.eval.runtime import ConfigError
+    from rsqr_jax.spec import ColdStore
+
+    spec = spec_from(build_parser().parse_args(["--policies", "rsqr+recall", "--share-choice-from",
+                                                "0-1:none,10-13:9,15-29:14", "--reselect", "4"]))
+    assert spec.share_from == DEFAULT_SHARE_FROM
+    a = spec.model_args("rsqr+recall")
+    assert a["share_from"] == "0-1:none;10-13:9;15-29:14" and "page choice per layer 0-1:none" in spec.describe(
+        "rsqr+recall")
+    assert ColdStore(share_from=check_model_args(a)["share_from"]).choice_sources(30) == DEFAULT_SHARE_FROM
+    assert spec_from(build_parser().parse_args(["--share-choice-from", "none"])).share_from is None
+    import dataclasses
+
+    report = {"config": dataclasses.asdict(spec), "cells": {}}
+    assert merge_reports(json.loads(json.dumps(report)), report)["cells"] == {}
+    other = {"config": {**report["config"], "share_from": 14}, "cells": {}}
+    with pytest.raises(ConfigError, match=r"other settings \(share_from\)"):
+        merge_reports(other, report)

@@ -163,22 +163,13 @@ def layer_or_none(text: str) -> int | tuple[int, ...]:
 
 
 def choice_sources(text: str) -> tuple[int, ...]:
-    """'0-1:none,10-13:9,15-29:14' -> ColdStore.share_from as a tuple: each named layer (or range) attends the
-    source's page choice (none: recalls nothing); an unnamed layer chooses its own."""
-    sources: dict[int, int] = {}
-    for item in text.split(","):
-        layers, _, source = item.strip().partition(":")
-        first, _, last = layers.partition("-")
-        try:
-            lo, hi = int(first), int(last or first)
-            src = -1 if source.strip().lower() == "none" else int(source)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"LAYER[-LAYER]:SOURCE items (SOURCE a layer or none), got {item!r}") from None
-        if lo < 0 or hi < lo or src < -1:
-            raise argparse.ArgumentTypeError(f"layers from >= 0 to a later one and a source >= 0 or none, got {item!r}")
-        sources.update(dict.fromkeys(range(lo, hi + 1), src))
-    return tuple(sources.get(layer, layer) for layer in range(max(sources) + 1))
+    """--share-choice-from 0-1:none,10-13:9,15-29:14 (spec.parse_choice_sources) as an argparse type."""
+    from rsqr_jax.spec import parse_choice_sources
+
+    try:
+        return parse_choice_sources(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def resolve_recall_default(args) -> None:

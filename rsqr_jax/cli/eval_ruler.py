@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from rsqr_jax.cli.args import Parser, UsageError, run_main
+from rsqr_jax.cli.args import Parser, UsageError, layer_or_none, run_main
 
 
 def build_parser() -> Parser:
@@ -43,8 +43,10 @@ def build_parser() -> Parser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cold-capacity", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=32, help="tokens per compiled prefill step")
-    p.add_argument("--share-choice-from", type=int, default=None, metavar="LAYER",
-                   help="rsqr+recall: layers after LAYER attend the pages LAYER chose (default: every layer chooses)")
+    p.add_argument("--share-choice-from", type=layer_or_none, default=None, metavar="LAYER",
+                   help="rsqr+recall: layers after LAYER attend the pages LAYER chose, or one source per layer, e.g. "
+                   "0-1:none,10-13:9,15-29:14 (decode.py's choice on the embedded model; default: every layer "
+                   "chooses)")
     p.add_argument("--reselect", type=int, default=1, help="rsqr+recall: choose pages afresh every k decode steps")
     p.add_argument("--score-dtype", default="float32", help="rsqr+recall: the max rule's scoring copy, float32 or int8")
     p.add_argument("--max-gen-toks", type=int, default=None, help="cap every task's answer length (default: "
@@ -74,7 +76,8 @@ def spec_from(args):
               policies=tuple(t.strip() for t in args.policies.split(",") if t.strip()),
               seq_len=args.seq_len, limits=_ints(args.limits or "10,20,30", "--limits"), window=args.window, sinks=args.sinks,
               recall_pages=args.recall_pages, page_size=args.page_size, cold_capacity=args.cold_capacity,
-              chunk=args.chunk, max_gen_toks=args.max_gen_toks, seed=args.seed, share_from=args.share_choice_from,
+              chunk=args.chunk, max_gen_toks=args.max_gen_toks, seed=args.seed,
+              share_from=None if args.share_choice_from == -1 else args.share_choice_from,
               reselect=args.reselect, score_dtype=args.score_dtype,
               model=os.path.abspath(args.model) if args.model else "embedded", start=args.start,
               answer=None if args.answer is None else tuple(t.strip() for t in args.answer.split(",") if t.strip()))

@@ -36,7 +36,9 @@ MODEL_ARGS = {
     "policy": "rsqr", "window": DEFAULTS["window"], "sinks": DEFAULTS["n_sink"], "delta": DEFAULTS["delta"],
     "max_survivors": DEFAULTS["max_survivors"], "block": DEFAULTS["block"], "overflow": DEFAULTS["overflow"],
     "recall_pages": DEFAULTS["recall_pages"], "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
-    "placement": DEFAULT_PLACEMENT, "reselect": 1, "share_from": -1,  # -1: every layer chooses its pages
+    # share_from: -1 (every layer chooses its pages), a layer, or one source per layer as LAYERS:SOURCE items
+    # separated by ';' (lm-eval's model arguments are separated by ','), e.g. 0-1:none;10-13:9;15-29:14
+    "placement": DEFAULT_PLACEMENT, "reselect": 1, "share_from": -1,
     "score_dtype": "float32",
     "model": None, "dtype": "float32", "kernel": "auto", "weight_format": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
@@ -85,6 +87,14 @@ def check_model_args(args: dict) -> dict:
                 out[k] = v
             continue
         default = MODEL_ARGS[k]
+        if k == "share_from" and isinstance(v, str) and ":" in v:  # one source per layer
+            from rsqr_jax.spec import parse_choice_sources
+
+            try:
+                out[k] = parse_choice_sources(v, sep=";")
+            except ValueError as e:
+                raise ConfigError(f"model argument share_from: {e}") from None
+            continue
         if isinstance(default, int) and not (isinstance(v, int) and not isinstance(v, bool)):
             raise ConfigError(f"model argument {k} must be an integer, got {v!r}")
         if isinstance(v, bool):  # lm-eval's argument parser reads "true" / "false" as booleans

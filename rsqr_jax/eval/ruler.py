@@ -59,7 +59,8 @@ class RulerSpec:
     page_size: int = 16
     cold_capacity: int = 4096
     chunk: int = 32
-    share_from: int | None = None  # rsqr+recall: layers after this one attend its page choice (ColdStore.share_from)
+    # rsqr+recall: layers after this one attend its page choice, or one source per layer (ColdStore.share_from)
+    share_from: int | tuple[int, ...] | None = None
     reselect: int = 1  # rsqr+recall: pages chosen afresh every k decode steps (ColdStore.reselect)
     score_dtype: str = "float32"  # rsqr+recall: the max rule's scoring copy (ColdStore.score_dtype)
     max_gen_toks: int | None = None  # None: each task's own (niah 128, vt 30, fwe 50, cwe 120)
@@ -102,7 +103,7 @@ class RulerSpec:
             raise ConfigError(f"start must be in [0, the first limit {self.limits[0]}), got {self.start}")
         if self.window < 8 or self.window >= self.seq_len:
             raise ConfigError(f"window must be in [8, seq_len), got {self.window}")
-        if self.reselect < 1 or (self.share_from is not None and self.share_from < 0):
+        if self.reselect < 1 or (isinstance(self.share_from, int) and self.share_from < 0):
             raise ConfigError(f"reselect must be >= 1 and share_from a layer >= 0, got {self.reselect} and "
                               f"{self.share_from}")
         from rsqr_jax.spec import SCORE_DTYPES
@@ -120,7 +121,11 @@ class RulerSpec:
         a = {**common, "policy": "rsqr" if policy.startswith("rsqr") else policy, "window": self.window}
         if policy == "rsqr+recall":
             a.update(recall_pages=self.recall_pages, page_size=self.page_size, cold_capacity=self.cold_capacity)
-            if self.share_from is not None:
+            if isinstance(self.share_from, tuple):
+                from rsqr_jax.spec import format_choice_sources
+
+                a["share_from"] = format_choice_sources(self.share_from, sep=";")
+            elif self.share_from is not None:
                 a["share_from"] = self.share_from
             if self.reselect != 1:
                 a["reselect"] = self.reselect
@@ -133,7 +138,8 @@ class RulerSpec:
         if policy == "full":
             return "full"
         s = f"{a['policy']}(W={self.window}, N={self.sinks})"
-        shared = (f", shared from layer {self.share_from}" if self.share_from is not None else "") + \
+        shared = (f", page choice per layer {a['share_from']}" if isinstance(self.share_from, tuple) else
+                  f", shared from layer {self.share_from}" if self.share_from is not None else "") + \
             (f", chosen every {self.reselect} steps" if self.reselect != 1 else "") + \
             (f", {self.score_dtype} scoring copy" if self.score_dtype != "float32" else "")
         return s + (f" + recall {self.recall_pages}x{self.page_size} of {self.cold_capacity}{shared}"
@@ -293,7 +299,8 @@ def merge_reports(earlier: dict, result: dict) -> dict:
     (the same generated samples): otherwise a ConfigError."""
     a, b = earlier["config"], result["config"]
     default = {f.name: f.default for f in dataclasses.fields(RulerSpec)}  # a setting older reports lack
-    differ = [k for k in _SAME_CELLS if a.get(k, default[k]) != b.get(k, default[k])]
+    same = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731  (a report read back holds lists)
+    differ = [k for k in _SAME_CELLS if same(a.get(k, default[k])) != same(b.get(k, default[k]))]
     if differ:
         raise ConfigError(f"the earlier report has other settings ({', '.join(differ)}): its cells are not these")
     cells = {t: dict(row) for t, row in result["cells"].items()}
