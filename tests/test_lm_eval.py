@@ -154,6 +154,10 @@ def test_recall_model_arguments_reach_the_cold_store():
     # one source per layer, ';'-separated (lm-eval splits model arguments at ','): layer 0 recalls nothing
     per_layer = RsqrLM.from_model_args(args + "reselect=3,share_from=0:none;1:1", pieces=pieces)
     assert per_layer.engine.spec.cold == ColdStore(32, 4, "mean", reselect=3, share_from=(-1, 1))
+    from rsqr_jax.cli.eval_tasks import build_parser, model_args_from  # eval_tasks.py's flag, parsed to a tuple
+
+    flags = build_parser().parse_args(["--tasks", "lambada_openai", "--share-choice-from", "0:none"])
+    assert model_args_from(flags)["share_from"] == (-1,)
     with pytest.raises(ConfigError, match="LAYER.-LAYER.:SOURCE items"):
         RsqrLM.from_model_args(args + "share_from=0:all", pieces=pieces)
     with pytest.raises(ConfigError, match="layer 1 attends layer 0's choice, but layer 0 does not"):

@@ -87,11 +87,11 @@ def check_model_args(args: dict) -> dict:
                 out[k] = v
             continue
         default = MODEL_ARGS[k]
-        if k == "share_from" and isinstance(v, str) and ":" in v:  # one source per layer
+        if k == "share_from" and (isinstance(v, tuple) or isinstance(v, str) and ":" in v):  # one source per layer
             from rsqr_jax.spec import parse_choice_sources
 
             try:
-                out[k] = parse_choice_sources(v, sep=";")
+                out[k] = v if isinstance(v, tuple) else parse_choice_sources(v, sep=";")
             except ValueError as e:
                 raise ConfigError(f"model argument share_from: {e}") from None
             continue
