@@ -113,7 +113,9 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     chooser, now, recalls = layer, rc.reselect_now, None
     if rc.share_from is not None:
         source = jnp.asarray(rc.share_from, jnp.int32)[layer]
-        chooser, now, recalls = jnp.maximum(source, 0), rc.reselect_now & (source == layer), source >= 0
+        chooser, now = jnp.maximum(source, 0), rc.reselect_now & (source == layer)
+        if -1 in rc.share_from:  # static: only then does a layer's recall depend on which layer it is
+            recalls = source >= 0
     kept = (cache.cold_choice[chooser], cache.cold_choice_on[chooser]) if rc.keeps_choice else None
 
     def with_recall():  # the recall tier (rsqr_jax.recall)

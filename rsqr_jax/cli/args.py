@@ -145,14 +145,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def layer_or_none(text: str) -> int | tuple[int, ...]:
-    """--share-choice-from: a layer index, none (chat.SHARE_NONE: every layer chooses), or per-layer sources
-    (`choice_sources`)."""
+    """--share-choice-from: a layer index, none (chat.SHARE_NONE: every layer chooses), or one source per layer
+    (spec.parse_choice_sources: 0-1:none,10-13:9,...)."""
     from rsqr_jax.cli.chat import SHARE_NONE
+    from rsqr_jax.spec import parse_choice_sources
 
     if text.strip().lower() == "none":
         return SHARE_NONE
     if ":" in text:
-        return choice_sources(text)
+        try:
+            return parse_choice_sources(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     try:
         value = int(text)
     except ValueError:
@@ -160,16 +164,6 @@ def layer_or_none(text: str) -> int | tuple[int, ...]:
     if value < 0:
         raise argparse.ArgumentTypeError(f"a layer index >= 0 or none, got {value}")
     return value
-
-
-def choice_sources(text: str) -> tuple[int, ...]:
-    """--share-choice-from 0-1:none,10-13:9,15-29:14 (spec.parse_choice_sources) as an argparse type."""
-    from rsqr_jax.spec import parse_choice_sources
-
-    try:
-        return parse_choice_sources(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def resolve_recall_default(args) -> None:

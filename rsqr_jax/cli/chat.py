@@ -22,6 +22,7 @@ import numpy as np
 
 from rsqr_jax.conversation import ChatFeed, Pins, generate_reply
 from rsqr_jax.eval.runtime import ConfigError, write_json_atomic
+from rsqr_jax.spec import parse_choice_sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +86,11 @@ DEFAULT_RECALL_PAGES = 4
 # ...and, on the embedded model, pages chosen afresh every 4th decode step, by 9 of its 30 layers: layers 2-9 and
 # 14 choose, 10-13 attend layer 9's choice and 15-29 layer 14's, and layers 0-1 recall nothing (their own choice
 # is close to arbitrary; docs/recall_tier.md §3, §9, §12: 71/80 facts of the fact probe, 72/80 with layers 0-14 all
-# choosing, at 1.67x plain rsqr's time per token instead of 2.0x with a full 64k-token store). Choosing every 4th
+# choosing, at 1.65x plain rsqr's time per token instead of 2.0x with a full 64k-token store). Choosing every 4th
 # step without sharing recalled 57/80 (§8). On another model (--model) every layer chooses at every step (the
 # library's defaults): the layers are the embedded model's.
 DEFAULT_RESELECT = 4
-# --share-choice-from 0-1:none,10-13:9,15-29:14:
-DEFAULT_SHARE_FROM = (-1, -1) + tuple(range(2, 10)) + (9,) * 4 + (14,) * 16
+DEFAULT_SHARE_FROM = parse_choice_sources("0-1:none,10-13:9,15-29:14")
 # And the int8 scoring copy: the same facts on the probe, a quarter of the copy's bytes (docs/recall_tier.md §10).
 DEFAULT_SCORE_DTYPE = "int8"
 
