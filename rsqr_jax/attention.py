@@ -8,6 +8,7 @@ into each segment is decided by rsqr_jax.update; this module only picks the impl
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from rsqr_jax.kernels.survivor_attention import survivor_attention, survivor_attention_reference, survivor_attention_xla
 
@@ -28,15 +29,26 @@ def resolve_kernel(kernel: str) -> str:
 
 def attend(q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_win_BxC,
            q_pos_surv_BxC, inv_freq, kernel: str, *, scale: float | None = None, logit_cap: float | None = None,
-           sliding_window: int | None = None):
+           sliding_window: int | None = None, raw_tail=None):
     """The contract (positions per batch row) with the chosen implementation.
 
     scale (None: head_dim ** -0.5), logit_cap (attention-logit soft-capping) and sliding_window (a local
-    layer's window over the window segment) are static model constants; None leaves the program as it was."""
-    args = (q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_win_BxC,
-            q_pos_surv_BxC, inv_freq)
-    impl = {"pallas": survivor_attention, "xla": survivor_attention_xla,
-            "reference": survivor_attention_reference}[resolve_kernel(kernel)]
+    layer's window over the window segment) are static model constants; None leaves the program as it was.
+    raw_tail: None, or (k [B, Hkv, R, D], v, rot_pos [B, R], valid [B, R]): R more slots of the survivor segment,
+    after its own (the recall tier's tokens). The XLA kernel attends them as a partial softmax of their own, so the
+    two never become one array; the others take the segment joined (the contract has two segments)."""
+    impl = resolve_kernel(kernel)
     kw = {k: v for k, v in (("scale", scale), ("logit_cap", logit_cap), ("sliding_window", sliding_window))
           if v is not None}
-    return impl(*args, **kw)
+    if raw_tail is not None:
+        if impl == "xla":
+            kw["raw_tail"] = raw_tail
+        else:
+            tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail
+            surv_k, surv_v = jnp.concatenate([surv_k, tail_k], axis=2), jnp.concatenate([surv_v, tail_v], axis=2)
+            surv_rot_pos_BxS = jnp.concatenate([surv_rot_pos_BxS, tail_rot_pos], axis=1)
+            surv_valid_BxS = jnp.concatenate([surv_valid_BxS, tail_valid], axis=1)
+    args = (q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_win_BxC,
+            q_pos_surv_BxC, inv_freq)
+    fn = {"pallas": survivor_attention, "xla": survivor_attention_xla, "reference": survivor_attention_reference}[impl]
+    return fn(*args, **kw)

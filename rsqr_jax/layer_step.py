@@ -98,9 +98,10 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     plain_win = (win_k, win_v, bc(ka.win_pos_W))
     plain = (surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv)
 
-    def attend(win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv):
+    def attend(win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_surv, raw_tail=None):
         return attention.attend(q_BxCxHqxD, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid,
-                                bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel, scale=scale, logit_cap=logit_cap)
+                                bc(ka.q_pos_win_C), q_pos_surv, inv_freq, kernel, scale=scale, logit_cap=logit_cap,
+                                raw_tail=raw_tail)
 
     rc = plan.recall
     if not rc.max_pages:
@@ -131,7 +132,8 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         idx, active = jax.lax.cond(now, choose, lambda: kept) if kept is not None else choose()
         rec = gather_recalled(idx, active, gather_kv, plan.next.cold_pos, Pg, rc, ka.surv_valid_S)
         if rc.placement == "rank":  # in the raw segment, at their ranks
-            out = attend(*plain_win, *extend_raw_segment(*plain, rc, *rec))
+            raw, tail = extend_raw_segment(*plain, rc, *rec)
+            out = attend(*plain_win, *raw, raw_tail=tail)
         else:
             out = attend(*extend_window_segment(*plain_win, rc, *rec, inv_freq), *plain)
         return out, (idx, active)

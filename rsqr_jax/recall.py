@@ -305,6 +305,46 @@ def with_neighbors(idx_BxR, active_BxR, cold_pos_Nc, n_pages: int, n: int) -> tu
     return pages, act & ~dup
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoringCopy:
+    """One layer's reader of the "max" rule's scoring copy: called with (starts_BxM, n), its runs of n slots from each
+    start, [B, Hkv, M * n, D] (or int32 rows, the int8 copy); rows is the whole [L, ...] buffer and layer the one read
+    (a slice of the layer would be a copy of its whole copy, see write_cold)."""
+
+    rows: jax.Array
+    layer: jax.Array
+
+    def __call__(self, starts_BxM, n: int) -> jax.Array:
+        return read_layer_runs(self.rows, self.layer, starts_BxM, n)
+
+
+def _int8_kernel_applies(q_BxCxHqxD, gather_glob, recall: Recall) -> bool:
+    """Whether this layer's scores come from the CPU kernel (kernels.page_scores): the "max" rule on the int8 copy, a
+    decode step's few queries, on a machine where the kernel builds."""
+    from rsqr_jax.kernels import page_scores
+
+    if recall.page_score != "max" or not isinstance(gather_glob, ScoringCopy) or gather_glob.rows.dtype != jnp.int32:
+        return False
+    C, Hq = q_BxCxHqxD.shape[1:3]
+    return page_scores.applies(C * Hq // gather_glob.rows.shape[2])
+
+
+def _int8_kernel_scores(q_BxCxHqxD, copy: ScoringCopy, n_pages: int, cold_pos_Nc, recall: Recall, inv_freq):
+    """live_page_scores' (or, without score blocks, page_scores') answer on the int8 copy, bit for bit, from one
+    kernel call: the pages the blocks would cover are scored, the rest -inf."""
+    from rsqr_jax.kernels import page_scores
+
+    Hkv = copy.rows.shape[2]
+    q_codes, q_scale = quantize_int8(_query_BxCxHkvxGxD(q_BxCxHqxD, Hkv, recall, inv_freq))
+    if recall.score_block:
+        M = score_block_pages(n_pages, recall.score_block)
+        covered = jnp.minimum((recall.live_pages + M - 1) // M * M, n_pages)
+    else:
+        covered = n_pages
+    return page_scores.page_scores_int8(copy.rows, copy.layer, q_codes, q_scale, recall.token_valid_Nc,
+                                        recall.q_real_C, covered, cold_pos_Nc.shape[0] // n_pages)
+
+
 def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
                            recall: Recall, inv_freq) -> tuple[jax.Array, jax.Array]:
     """One layer's page choice, [B, M] page indices and an active mask (M = max_pages * (1 + 2 * neighbors)).
@@ -315,7 +355,9 @@ def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, ga
     B = q_BxCxHqxD.shape[0]
     n_pages = cold_sum.shape[2]
     quest = (cold_lo, cold_hi) if recall.page_score == "quest" else (None, None)
-    if recall.score_block:
+    if _int8_kernel_applies(q_BxCxHqxD, gather_glob, recall):
+        scores = _int8_kernel_scores(q_BxCxHqxD, gather_glob, n_pages, cold_pos_Nc, recall, inv_freq)
+    elif recall.score_block:
         scores = live_page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest,
                                   gather_glob if recall.page_score == "max" else None)
     else:
@@ -348,14 +390,15 @@ def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_s
                        rec_k, rec_v, rec_gpos_BxR, rec_valid_BxR):
     """The raw segment with the recalled tokens added: sinks + survivors + recalled, ordered by global
     position; in the raw-survivor modes each key is rotated at its rank and the survivor-segment query sits
-    right after them (DESIGN section 3b). Returns (k, v, rot_pos, valid, q_pos_surv)."""
-    k, v = jnp.concatenate([surv_k, rec_k], axis=2), jnp.concatenate([surv_v, rec_v], axis=2)
-    valid = jnp.concatenate([surv_valid_BxS, rec_valid_BxR], axis=1)
-    rank = jnp.concatenate(_union_ranks(recall.surv_gpos_S, surv_valid_BxS, surv_rot_pos_BxS, rec_gpos_BxR,
-                                        rec_valid_BxR), axis=1)
-    rot_pos = jnp.where(recall.in_kernel & valid, rank, jnp.pad(surv_rot_pos_BxS, ((0, 0), (0, rec_gpos_BxR.shape[1]))))
+    right after them (DESIGN section 3b). Returns the survivor segment with its rotation positions moved
+    (k, v, rot_pos, valid, q_pos_surv) and the recalled tokens as its tail (k, v, rot_pos, valid): attention.attend's
+    raw_tail, attended as if appended to the survivors (the order of a segment's slots changes nothing)."""
+    surv_rank, rec_rank = _union_ranks(recall.surv_gpos_S, surv_valid_BxS, surv_rot_pos_BxS, rec_gpos_BxR,
+                                       rec_valid_BxR)
+    surv_rot_pos = jnp.where(recall.in_kernel & surv_valid_BxS, surv_rank, surv_rot_pos_BxS)
+    rec_rot_pos = jnp.where(recall.in_kernel & rec_valid_BxR, rec_rank, 0)
     q_pos_surv = q_pos_surv_BxC + jnp.sum(rec_valid_BxR, axis=1, dtype=jnp.int32)[:, None]
-    return k, v, rot_pos, valid, q_pos_surv
+    return (surv_k, surv_v, surv_rot_pos, surv_valid_BxS, q_pos_surv), (rec_k, rec_v, rec_rot_pos, rec_valid_BxR)
 
 
 def _union_ranks(surv_gpos_S, surv_valid_BxS, surv_rank_BxS, rec_gpos_BxR, rec_valid_BxR):
@@ -441,7 +484,7 @@ def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_
         # ColdStore.score_dtype "int8": each key's codes and scale in one row of int32 words
         rows = pack_int8_keys(rot_BxHxCxD) if cache.cold_k_glob.dtype == jnp.int32 else rot_BxHxCxD
         k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rows, 2, 0))
-        glob = lambda starts_BxM, n: read_layer_runs(k_glob, layer, starts_BxM, n)  # noqa: E731
+        glob = ScoringCopy(k_glob, layer)
     return cache.replace(**out), (layer_sum, lo, hi, glob)
 
 

@@ -218,3 +218,26 @@ def test_splits_fill_the_gpu_and_share_both_segments():
                                         interpret=True, block_k=16, block_s=16, block_q=16, num_splits=4,
                                         exact=exact, num_warps=4, num_stages=2)
     assert (np.asarray(l)[0, 0, :, :3] > 0).all()
+
+
+@pytest.mark.parametrize("C,R", [(1, 24), (3, 16)])
+def test_xla_raw_tail_is_the_survivor_segment_with_it_appended(C, R):
+    """survivor_attention_xla's raw_tail (the recall tier's tokens, attended as a partial softmax of their own) against
+    the reference over the survivor segment with the tail appended; a tail with no valid slot changes no bit."""
+    S = 20
+    inp, inv = kernel_inputs(31 + C, B=2, C=C, Hq=9, Hkv=3, D=64, W=33, S=S + R, dtype=jnp.float32, empty_window=2)
+    head, tail = dict(inp), {}
+    for k in ("surv_k", "surv_v"):
+        head[k], tail[k] = inp[k][:, :, :S], inp[k][:, :, S:]
+    for k in ("surv_rot_pos", "surv_valid"):
+        head[k], tail[k] = inp[k][:, :S], inp[k][:, S:]
+    raw_tail = (tail["surv_k"], tail["surv_v"], tail["surv_rot_pos"], tail["surv_valid"])
+    assert np.asarray(tail["surv_valid"]).any()
+    got = jax.jit(lambda *a: survivor_attention_xla(*a[:-4], inv, raw_tail=a[-4:]))(*args_of(head), *raw_tail)
+    assert rel_err(got, reference(inp, inv)) < 1e-5
+    assert rel_err(got, oracle_f64(*args_of(inp), inv)) < 1e-4
+    masked = raw_tail[:3] + (jnp.zeros_like(raw_tail[3]),)
+    # (the head's ranks reach past W + S: the table of the call with the tail)
+    alone = jax.jit(lambda *a: survivor_attention_xla(*a, inv, rank_limit=33 + S + R))(*args_of(head))
+    with_masked = jax.jit(lambda *a: survivor_attention_xla(*a[:-4], inv, raw_tail=a[-4:]))(*args_of(head), *masked)
+    np.testing.assert_array_equal(np.asarray(with_masked), np.asarray(alone))

@@ -6,10 +6,8 @@ blocks gained decode only 1.2-1.4x over float32 weights (docs/speed.md §4, `blo
 everything else in registers, as llama.cpp does, but in float32 on float32 activations: the same weights'
 products summed in another order (not llama.cpp's int8 activations).
 
-The C++ source ships with the package and is compiled here, for this machine (`-march=native`), into a cache
-directory (RSQR_JAX_CACHE, else $XDG_CACHE_HOME/rsqr_jax, else ~/.cache/rsqr_jax) keyed by the source, the
-jaxlib, the compiler (CXX, else c++) and the CPU's instruction sets (a cache shared between machines never hands
-one a library built for another's), then registered with XLA as an FFI target. Where it cannot be built (no
+The C++ source ships with the package and is compiled on first use, for this machine, into the package's cache
+(rsqr_jax.kernels.cpu_ffi), then registered with XLA as an FFI target. Where it cannot be built (no
 compiler, not a CPU backend) `available()` says why and the caller stays on XLA's dequantize-then-dot; RSQR_CPU_KERNEL=0
 turns it off.
 """
@@ -17,19 +15,13 @@ turns it off.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rsqr_jax.host import cache_dir
+from rsqr_jax.kernels import cpu_ffi
 
 TARGET = "rsqr_block_matvec"
 SOURCE = Path(__file__).with_name("block_matvec.cc")
@@ -38,95 +30,21 @@ ROWS_MAX = 8  # rows x of a call that go through the kernel (decode); more (pref
 
 
 def _compiler() -> str | None:
-    cxx = os.environ.get("CXX") or "c++"
-    return shutil.which(cxx)
-
-
-def _cpu_features() -> bytes:
-    """The CPU's instruction-set flags (Linux's /proc/cpuinfo; elsewhere the processor's name): -march=native builds
-    for them."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
-    except OSError:
-        return platform.processor().encode()
+    return cpu_ffi.compiler()
 
 
 def _build(cxx: str) -> Path:
-    """The shared library for this source, jaxlib and compiler: compiled once, then reused (written under a
-    temporary name and renamed, so concurrent processes never load a half-written file)."""
-    import jaxlib
-
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(),
-                                     " ".join(flags).encode(), platform.machine().encode(), _cpu_features()])
-                         ).hexdigest()[:16]
-    out = cache_dir(f"block_matvec-{key}.so")
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _prune(out)
-    return out
+    """This kernel's shared library for this source, jaxlib and compiler (cpu_ffi.build)."""
+    return cpu_ffi.build(SOURCE, cxx)
 
 
-# A library of another source, jaxlib or machine not used for this long is deleted when a new one is built.
-STALE_DAYS = 30
-
-
-def _prune(keep: Path) -> None:
-    """Delete the cache's other kernel libraries that no process has used for STALE_DAYS (a new source or jaxlib
-    builds a new one; the old ones would pile up). A library in use elsewhere stays: loading one marks it used."""
-    import time
-
-    horizon = time.time() - STALE_DAYS * 86400
-    for old in keep.parent.glob("block_matvec-*.so"):
-        try:
-            st = old.stat()
-            if old != keep and max(st.st_atime, st.st_mtime) < horizon:
-                old.unlink()
-        except OSError:  # gone already, or not ours to delete
-            pass
+STALE_DAYS = cpu_ffi.STALE_DAYS
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> str | None:
     """None when the kernel is registered, else why not (one line)."""
-    if os.environ.get("RSQR_CPU_KERNEL", "1") == "0":
-        return "turned off (RSQR_CPU_KERNEL=0)"
-    if jax.default_backend() != "cpu":
-        return f"the default backend is {jax.default_backend()}, not cpu"
-    cxx = _compiler()
-    if cxx is None:
-        return f"no C++ compiler ({os.environ.get('CXX') or 'c++'}) on PATH"
-    try:
-        _register(str(_build(cxx)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return f"could not build the CPU kernel: {e}"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _register(library: str) -> None:
-    """Register the library's handler with XLA, once per process."""
-    import ctypes
-
-    lib = ctypes.cdll.LoadLibrary(library)
-    try:
-        os.utime(library)  # used now (_prune keeps what is used; a file system's atime may not say so)
-    except OSError:
-        pass
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.BlockMatvec), platform="cpu")
+    return cpu_ffi.load(SOURCE, "BlockMatvec", TARGET)
 
 
 def available() -> bool:

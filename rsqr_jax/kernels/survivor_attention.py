@@ -562,15 +562,19 @@ def _survivor_scores(qs_BxCxHkvxGxD, surv_k, surv_rot_pos, table, block_bytes, w
 def survivor_attention_xla(
     q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid, q_pos_win, q_pos_surv, inv_freq,
     *, scale=None, rank_limit=None, block_bytes=4 << 20, whole_segment_bytes=WHOLE_SEGMENT_BYTES, logit_cap=None,
-    sliding_window=None,
+    sliding_window=None, raw_tail=None,
 ):
     """The contract above in plain XLA, tuned for CPU (see the comment block above).
 
     rank_limit: survivor positions lie in [0, rank_limit) (default W + S; outside gives NaN scores);
     block_bytes: size of one block of rotated survivor keys (float32, all batch rows and KV heads) when
-    all of them would exceed whole_segment_bytes."""
+    all of them would exceed whole_segment_bytes. raw_tail: None, or more of the survivor segment given apart,
+    (k, v, rot_pos, valid) shaped like its arrays with R slots: the contract over the survivor segment with these
+    R slots appended (the default rank_limit counts them), as its own partial softmax - the recall tier's
+    tokens (rsqr_jax.layer_step) without copying the survivors and them into one array at every layer."""
     B, C, Hq, D = q.shape
     Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k.shape[2]
+    R = 0 if raw_tail is None else raw_tail[0].shape[2]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
     hp = jax.lax.Precision.HIGHEST
@@ -595,10 +599,15 @@ def survivor_attention_xla(
     parts = []  # an empty segment (W = 0 or S = 0, static) is skipped
     if W:
         parts.append(partial(jnp.einsum("bckgd,bknd->bkgcn", qw, win_k.astype(f32), precision=hp), win_v, m_win))
+    if S or R:
+        table = rotation_table(inv_freq, _table_len(W, S + R, rank_limit), _is_concrete(inv_freq))
     if S:
-        table = rotation_table(inv_freq, _table_len(W, S, rank_limit), _is_concrete(inv_freq))
         s_surv = _survivor_scores(qs, surv_k, surv_rot_pos, table, block_bytes, whole_segment_bytes)
         parts.append(partial(s_surv, surv_v, m_surv))
+    if R:
+        tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail
+        s_tail = _survivor_scores(qs, tail_k, tail_rot_pos, table, block_bytes, whole_segment_bytes)
+        parts.append(partial(s_tail, tail_v, jnp.broadcast_to(tail_valid[:, None, :], (B, C, R))))
     if not parts:
         return jnp.zeros_like(q)
     m = functools.reduce(jnp.maximum, [p[1] for p in parts])
