@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from rsqr_jax import attention
 from rsqr_jax.cache import KVCache, logical_dtype, read_layer, write_kv
-from rsqr_jax.recall import (choose_pages_to_recall, extend_raw_segment, extend_window_segment, gather_recalled,
-                             read_cold_runs, write_cold)
+from rsqr_jax.recall import (choose_pages_to_recall, extend_window_segment, read_cold_runs, recalled_layout,
+                             write_cold)
 from rsqr_jax.rope import rotate_keys
 from rsqr_jax.update import StepPlan
 
@@ -130,12 +130,20 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         # ColdStore.reselect > 1: between scorings the layer attends the pages it chose last (only the choice
         # is kept: their tokens are gathered and checked afresh every step).
         idx, active = jax.lax.cond(now, choose, lambda: kept) if kept is not None else choose()
-        rec = gather_recalled(idx, active, gather_kv, plan.next.cold_pos, Pg, rc, ka.surv_valid_S)
+        here = lambda: recalled_layout(idx, active, plan.next.cold_pos, Pg, rc, *plain[2:])  # noqa: E731
+        if rc.kept_layout is None:
+            lay = here()
+        else:  # a step that chooses nothing attends the kept choices, whose layout the plan holds per chooser
+            rows = {c: i for i, c in enumerate(rc.choosers(cache.cold_choice.shape[0]))}
+            row = jnp.asarray([rows.get(c, 0) for c in range(cache.cold_choice.shape[0])], jnp.int32)[chooser]
+            lay = jax.lax.cond(rc.reselect_now, here, lambda: jax.tree.map(lambda x: x[row], rc.kept_layout))
+        rec_k, rec_v = gather_kv(idx * Pg, Pg)
         if rc.placement == "rank":  # in the raw segment, at their ranks
-            raw, tail = extend_raw_segment(*plain, rc, *rec)
-            out = attend(*plain_win, *raw, raw_tail=tail)
+            out = attend(*plain_win, surv_k, surv_v, lay.surv_rot_pos_BxS, surv_valid, lay.q_pos_surv_BxC,
+                         raw_tail=(rec_k, rec_v, lay.rec_rot_pos_BxR, lay.valid_BxR))
         else:
-            out = attend(*extend_window_segment(*plain_win, rc, *rec, inv_freq), *plain)
+            out = attend(*extend_window_segment(*plain_win, rc, rec_k, rec_v, lay.gpos_BxR, lay.valid_BxR, inv_freq),
+                         *plain)
         return out, (idx, active)
 
     if kept is None:  # the choice of this step only

@@ -43,7 +43,7 @@ def score_block_pages(n_pages: int, most: int) -> int:
                    meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block", "placement",
                                 "keeps_choice", "share_from"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel",
-                                "live_pages", "fixed_pos", "reselect_now"])
+                                "live_pages", "fixed_pos", "reselect_now", "kept_layout"])
 @dataclasses.dataclass(frozen=True)
 class Recall:
     """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
@@ -62,7 +62,8 @@ class Recall:
     policy's window); keeps_choice (static): layers keep their page choice in the cache between scorings
     (ColdStore.reselect > 1, or share_from); reselect_now: this step scores the store and chooses afresh;
     share_from (static, ColdStore.choice_sources; None = every layer chooses): per layer, the layer whose choice it
-    attends (-1: none)."""
+    attends (-1: none); kept_layout (with a kept choice; None otherwise): recalled_layout of every choosing layer's
+    kept choice (a leading axis over choosers(L)), what the layers attend at a step that does not choose."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -81,6 +82,13 @@ class Recall:
     keeps_choice: bool = False
     reselect_now: jax.Array | None = None
     share_from: tuple[int, ...] | None = None
+    kept_layout: "RecalledLayout | None" = None
+
+    def choosers(self, n_layers: int) -> tuple[int, ...]:
+        """The layers that choose pages, in order (every layer unless share_from says otherwise)."""
+        if self.share_from is None:
+            return tuple(range(n_layers))
+        return tuple(layer for layer, source in enumerate(self.share_from) if source == layer)
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                 hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
@@ -373,32 +381,51 @@ def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, ga
     return idx, active
 
 
-def gather_recalled(idx_BxM, active_BxM, gather_kv, cold_pos_Nc, Pg: int, recall: Recall, surv_valid_S):
-    """The tokens of the chosen pages: raw K/V [B, Hkv, R, D], global positions [B, R], validity [B, R] (R = M *
-    page size Pg); a token that is also an attended survivor, on a page gathered twice, or no longer recallable (a
-    kept choice whose page the ring has since restarted) is not valid."""
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=[],
+                   data_fields=["gpos_BxR", "valid_BxR", "surv_rot_pos_BxS", "rec_rot_pos_BxR", "q_pos_surv_BxC"])
+@dataclasses.dataclass(frozen=True)
+class RecalledLayout:
+    """Where one page choice's tokens sit (recalled_layout): their global positions and validity, and in the raw
+    segment the survivors' and their rotation positions and the survivor-segment query's. The same for every layer
+    that attends that choice, so a step whose choices are all kept computes it once per choosing layer, before the
+    model runs (Recall.kept_layout)."""
+
+    gpos_BxR: jax.Array
+    valid_BxR: jax.Array
+    surv_rot_pos_BxS: jax.Array
+    rec_rot_pos_BxR: jax.Array
+    q_pos_surv_BxC: jax.Array
+
+
+def recalled_layout(idx_BxM, active_BxM, cold_pos_Nc, Pg: int, recall: Recall, surv_rot_pos_BxS, surv_valid_BxS,
+                    q_pos_surv_BxC) -> RecalledLayout:
+    """The tokens of the chosen pages (R = M * page size Pg of them, the pages' slots in order): their global
+    positions, and which are valid - a token that is also an attended survivor, on a page gathered twice, or no
+    longer recallable (a kept choice whose page the ring has since restarted) is not. With them in the raw segment
+    (sinks + survivors + recalled, ordered by global position), in the raw-survivor modes each key is rotated at its
+    rank and the survivor-segment query sits right after them (DESIGN section 3b)."""
     B, M = idx_BxM.shape
     slots_BxR = (idx_BxM[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
     gpos = cold_pos_Nc[slots_BxR]
-    surv_att = jnp.where(surv_valid_S, recall.surv_gpos_S, -2)
-    dup = jnp.any(gpos[:, :, None] == surv_att[None, None, :], axis=-1)
+    surv_att = jnp.where(surv_valid_BxS, recall.surv_gpos_S, -2)
+    dup = jnp.any(gpos[:, :, None] == surv_att[:, None, :], axis=-1)
     valid = jnp.repeat(active_BxM, Pg, axis=1) & recall.token_valid_Nc[slots_BxR] & ~dup
-    return (*gather_kv(idx_BxM * Pg, Pg), gpos, valid)
+    surv_rank, rec_rank = _union_ranks(recall.surv_gpos_S, surv_valid_BxS, surv_rot_pos_BxS, gpos, valid)
+    return RecalledLayout(gpos, valid, jnp.where(recall.in_kernel & surv_valid_BxS, surv_rank, surv_rot_pos_BxS),
+                          jnp.where(recall.in_kernel & valid, rec_rank, 0),
+                          q_pos_surv_BxC + jnp.sum(valid, axis=1, dtype=jnp.int32)[:, None])
 
 
-def extend_raw_segment(surv_k, surv_v, surv_rot_pos_BxS, surv_valid_BxS, q_pos_surv_BxC, recall: Recall,
-                       rec_k, rec_v, rec_gpos_BxR, rec_valid_BxR):
-    """The raw segment with the recalled tokens added: sinks + survivors + recalled, ordered by global
-    position; in the raw-survivor modes each key is rotated at its rank and the survivor-segment query sits
-    right after them (DESIGN section 3b). Returns the survivor segment with its rotation positions moved
-    (k, v, rot_pos, valid, q_pos_surv) and the recalled tokens as its tail (k, v, rot_pos, valid): attention.attend's
-    raw_tail, attended as if appended to the survivors (the order of a segment's slots changes nothing)."""
-    surv_rank, rec_rank = _union_ranks(recall.surv_gpos_S, surv_valid_BxS, surv_rot_pos_BxS, rec_gpos_BxR,
-                                       rec_valid_BxR)
-    surv_rot_pos = jnp.where(recall.in_kernel & surv_valid_BxS, surv_rank, surv_rot_pos_BxS)
-    rec_rot_pos = jnp.where(recall.in_kernel & rec_valid_BxR, rec_rank, 0)
-    q_pos_surv = q_pos_surv_BxC + jnp.sum(rec_valid_BxR, axis=1, dtype=jnp.int32)[:, None]
-    return (surv_k, surv_v, surv_rot_pos, surv_valid_BxS, q_pos_surv), (rec_k, rec_v, rec_rot_pos, rec_valid_BxR)
+def kept_layouts(cold_choice_LxBxM, cold_choice_on_LxBxM, cold_pos_Nc, Pg: int, recall: Recall, surv_rot_pos_S,
+                 surv_valid_S, q_pos_surv_C, choosers: tuple[int, ...]) -> RecalledLayout:
+    """recalled_layout of each choosing layer's kept choice (arrays with a leading [len(choosers)] axis): what every
+    layer attends at a step that scores nothing, computed once for the layers that share a choice."""
+    rows = jnp.asarray(choosers, jnp.int32)
+    B = cold_choice_LxBxM.shape[1]
+    bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
+    one = lambda idx, active: recalled_layout(idx, active, cold_pos_Nc, Pg, recall, bc(surv_rot_pos_S),  # noqa: E731
+                                              bc(surv_valid_S), bc(q_pos_surv_C))
+    return jax.vmap(one)(cold_choice_LxBxM[rows], cold_choice_on_LxBxM[rows])
 
 
 def _union_ranks(surv_gpos_S, surv_valid_BxS, surv_rank_BxS, rec_gpos_BxR, rec_valid_BxR):

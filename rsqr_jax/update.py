@@ -234,15 +234,22 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
                     # choose afresh every reselect-th step and at every chunk of more than one token (a prompt: the
                     # question's own rows choose the pages its first answer token reads)
                     reselect_now=(jnp.sum(cache.cold_step) % reselect == 0) | (n_valid > 1))
+    kernel = KernelArgs(
+        win_pos_W=jnp.where(win_in, jnp.where(mode.rank_window, win_rank, win_pos), -1),
+        q_pos_win_C=jnp.where(mode.rank_window, q_rank, g_C),
+        surv_rot_pos_S=jnp.where(mode.surv_in_kernel & att, surv_rank, 0),
+        surv_valid_S=att,
+        q_pos_surv_C=jnp.where(mode.surv_global, g_C, q_rank))
+    if recall.keeps_choice and recall.max_pages and reselect > 1:
+        # A step that chooses nothing (every reselect-th step chooses) attends the kept choices: their tokens'
+        # positions, validity and ranks once per choosing layer here, not in every layer that attends them.
+        recall = dataclasses.replace(recall, kept_layout=_recall.kept_layouts(
+            cache.cold_choice, cache.cold_choice_on, cold_pos, Nc // n_pages, recall, kernel.surv_rot_pos_S,
+            kernel.surv_valid_S, kernel.q_pos_surv_C, recall.choosers(cache.cold_choice.shape[0])))
 
     return StepPlan(
         writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, first_C),
-        kernel=KernelArgs(
-            win_pos_W=jnp.where(win_in, jnp.where(mode.rank_window, win_rank, win_pos), -1),
-            q_pos_win_C=jnp.where(mode.rank_window, q_rank, g_C),
-            surv_rot_pos_S=jnp.where(mode.surv_in_kernel & att, surv_rank, 0),
-            surv_valid_S=att,
-            q_pos_surv_C=jnp.where(mode.surv_global, g_C, q_rank)),
+        kernel=kernel,
         upkeep=Upkeep(
             rerotate=mode.rerotate & any_hop, win_hop_W=win_hop, surv_hop_S=surv_hop,
             win_rot_old_W=win_rot_old, win_rot_new_W=win_rot_new, surv_rot_old_S=surv_rot_old,
