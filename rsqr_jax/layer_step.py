@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from rsqr_jax import attention
 from rsqr_jax.cache import KVCache, logical_dtype, read_layer, write_kv
+from rsqr_jax.kernels.recalled_attention import StoredRuns
 from rsqr_jax.recall import (choose_pages_to_recall, extend_window_segment, read_cold_runs, recalled_layout,
                              write_cold)
 from rsqr_jax.rope import rotate_keys
@@ -137,11 +138,13 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
             rows = {c: i for i, c in enumerate(rc.choosers(cache.cold_choice.shape[0]))}
             row = jnp.asarray([rows.get(c, 0) for c in range(cache.cold_choice.shape[0])], jnp.int32)[chooser]
             lay = jax.lax.cond(rc.reselect_now, here, lambda: jax.tree.map(lambda x: x[row], rc.kept_layout))
-        rec_k, rec_v = gather_kv(idx * Pg, Pg)
-        if rc.placement == "rank":  # in the raw segment, at their ranks
+        if rc.placement == "rank":  # in the raw segment, at their ranks, read where they lie by the kernel that can
+            tail = StoredRuns(cache.cold_k, cache.cold_v, layer, idx * Pg, Pg, lay.rec_rot_pos_BxR, lay.valid_BxR,
+                              lambda: gather_kv(idx * Pg, Pg))
             out = attend(*plain_win, surv_k, surv_v, lay.surv_rot_pos_BxS, surv_valid, lay.q_pos_surv_BxC,
-                         raw_tail=(rec_k, rec_v, lay.rec_rot_pos_BxR, lay.valid_BxR))
+                         raw_tail=tail)
         else:
+            rec_k, rec_v = gather_kv(idx * Pg, Pg)
             out = attend(*extend_window_segment(*plain_win, rc, rec_k, rec_v, lay.gpos_BxR, lay.valid_BxR, inv_freq),
                          *plain)
         return out, (idx, active)

@@ -45,6 +45,7 @@ def test_wheel_holds_every_module_under_one_import_name(wheel):
     assert "rsqr_jax/data/licenses/GPL-3" in names  # the second filler ships too
     assert "rsqr_jax/kernels/block_matvec.cc" in names  # the CPU kernels' sources, compiled on first use
     assert "rsqr_jax/kernels/page_scores.cc" in names
+    assert "rsqr_jax/kernels/recalled_attention.cc" in names
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     for command, target in [("rsqr-decode", "rsqr_jax.cli.decode:run"), ("rsqr-eval-stream", "rsqr_jax.cli.eval_stream:run"),
                             ("rsqr-eval-tasks", "rsqr_jax.cli.eval_tasks:run")]:

@@ -569,12 +569,17 @@ def survivor_attention_xla(
     rank_limit: survivor positions lie in [0, rank_limit) (default W + S; outside gives NaN scores);
     block_bytes: size of one block of rotated survivor keys (float32, all batch rows and KV heads) when
     all of them would exceed whole_segment_bytes. raw_tail: None, or more of the survivor segment given apart,
-    (k, v, rot_pos, valid) shaped like its arrays with R slots: the contract over the survivor segment with these
-    R slots appended (the default rank_limit counts them), as its own partial softmax - the recall tier's
-    tokens (rsqr_jax.layer_step) without copying the survivors and them into one array at every layer."""
+    (k, v, rot_pos, valid) shaped like its arrays with R slots, or those slots where they lie in a store
+    (recalled_attention.StoredRuns): the contract over the survivor segment with these R slots appended (the
+    default rank_limit counts them), as its own partial softmax - the recall tier's tokens (rsqr_jax.layer_step)
+    without copying the survivors and them into one array at every layer; stored slots go through the CPU kernel
+    recalled_attention where it applies (a decode step), read out of the store otherwise."""
+    from rsqr_jax.kernels import recalled_attention
+
     B, C, Hq, D = q.shape
     Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k.shape[2]
-    R = 0 if raw_tail is None else raw_tail[0].shape[2]
+    stored = isinstance(raw_tail, recalled_attention.StoredRuns)
+    R = 0 if raw_tail is None else raw_tail.rot_pos_BxR.shape[1] if stored else raw_tail[0].shape[2]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
     hp = jax.lax.Precision.HIGHEST
@@ -604,8 +609,10 @@ def survivor_attention_xla(
     if S:
         s_surv = _survivor_scores(qs, surv_k, surv_rot_pos, table, block_bytes, whole_segment_bytes)
         parts.append(partial(s_surv, surv_v, m_surv))
-    if R:
-        tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail
+    if R and stored and recalled_attention.applies(raw_tail, C * G, logit_cap):
+        parts.append(recalled_attention.recalled_partial(raw_tail, qs, table))
+    elif R:
+        tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail.arrays() if stored else raw_tail
         s_tail = _survivor_scores(qs, tail_k, tail_rot_pos, table, block_bytes, whole_segment_bytes)
         parts.append(partial(s_tail, tail_v, jnp.broadcast_to(tail_valid[:, None, :], (B, C, R))))
     if not parts:

@@ -1,0 +1,84 @@
+"""A CPU kernel for the recall tier's tokens in the attention (recalled_attention.cc), built on first use.
+
+A layer that recalls attends some 64 tokens from the cold store besides its window and survivors. XLA:CPU ran that as
+some ten operations per layer (the pages' runs copied out of the store, the rotation table's rows gathered, the keys
+rotated, the scores, their mask, max, exponentials and sums, the values' product), together most of what a recall
+step adds to plain rsqr's. The kernel reads the pages where they lie and returns the segment's partial softmax
+(o, m, l), merged with the window's and the survivors' by survivor_attention_xla: the same attention within float32
+rounding (another summation order). Where it cannot be built the XLA path runs (`available()` says why);
+RSQR_CPU_KERNEL=0 turns it off with the other CPU kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rsqr_jax.kernels import cpu_ffi
+
+TARGET = "rsqr_recalled_attention"
+SOURCE = Path(__file__).with_name("recalled_attention.cc")
+QUERIES_MAX = 64  # query vectors per KV head (chunk rows x query heads per KV head) the kernel takes; more stay on XLA
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredRuns:
+    """More slots of the survivor segment that still lie in the store they were kept in (the recall tier's pages):
+    runs of `run` slots from each of starts_BxM in layer `layer` of K and V stacks [L, B, Hkv, N, D] as stored
+    (float32, or bfloat16 held as uint16 bits), their rotation positions and validity [B, M * run]; `read()` gives
+    their K and V [B, Hkv, M * run, D] in their logical dtype, for a path that takes arrays."""
+
+    k_stack: jax.Array
+    v_stack: jax.Array
+    layer: jax.Array
+    starts_BxM: jax.Array
+    run: int
+    rot_pos_BxR: jax.Array
+    valid_BxR: jax.Array
+    read: Callable[[], tuple[jax.Array, jax.Array]]
+
+    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(k, v, rot_pos, valid): the slots as arrays."""
+        return (*self.read(), self.rot_pos_BxR, self.valid_BxR)
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> str | None:
+    return cpu_ffi.load(SOURCE, "RecalledAttention", TARGET)
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (building it on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel is not available (None when it is)."""
+    return _load()
+
+
+def applies(runs: StoredRuns, n_queries: int, logit_cap) -> bool:
+    """Whether these slots go through the kernel: a decode step's few queries, no logit soft-capping, K/V stored as
+    float32 or bfloat16 bits, on a machine where the kernel builds."""
+    return (n_queries <= QUERIES_MAX and logit_cap is None and runs.k_stack.dtype in (jnp.float32, jnp.uint16)
+            and runs.v_stack.dtype == runs.k_stack.dtype and available())
+
+
+def recalled_partial(runs: StoredRuns, qs_BxCxHkvxGxD: jax.Array, table_TxD) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The partial softmax of the (rotated, scaled) queries over the slots: o [B, Hkv, G, C, D], m and l [B, Hkv, G,
+    C, 1], float32, as survivor_attention_xla's `partial` gives them for a segment. RuntimeError (its reason) where
+    the kernel cannot be built."""
+    if (reason := _load()) is not None:
+        raise RuntimeError(f"recalled_attention: {reason}")
+    B, C, Hkv, G, D = qs_BxCxHkvxGxD.shape
+    out = (jax.ShapeDtypeStruct((B, Hkv, G, C, D), jnp.float32), jax.ShapeDtypeStruct((B, Hkv, G, C, 1), jnp.float32),
+           jax.ShapeDtypeStruct((B, Hkv, G, C, 1), jnp.float32))
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+        runs.k_stack, runs.v_stack, jnp.asarray(runs.layer, jnp.int32), runs.starts_BxM.astype(jnp.int32),
+        qs_BxCxHkvxGxD.astype(jnp.float32), runs.rot_pos_BxR.astype(jnp.int32), runs.valid_BxR.astype(bool),
+        jnp.asarray(table_TxD, jnp.float32))
