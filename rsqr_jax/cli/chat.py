@@ -86,7 +86,7 @@ DEFAULT_RECALL_PAGES = 4
 # ...and, on the embedded model, pages chosen afresh every 4th decode step, by 9 of its 30 layers: layers 2-9 and
 # 14 choose, 10-13 attend layer 9's choice and 15-29 layer 14's, and layers 0-1 recall nothing (their own choice
 # is close to arbitrary; docs/recall_tier.md §3, §9, §12: 71/80 facts of the fact probe, 72/80 with layers 0-14 all
-# choosing; §13: 1.14x plain rsqr's time per token with a full 4096-token store, 1.33x at 64k). Choosing every 4th
+# choosing; §13: 1.09x plain rsqr's time per token with a full 4096-token store, 1.26x at 64k). Choosing every 4th
 # step without sharing recalled 57/80 (§8). On another model (--model) every layer chooses at every step (the
 # library's defaults): the layers are the embedded model's.
 DEFAULT_RESELECT = 4

@@ -1,8 +1,9 @@
-"""Building and registering this package's CPU kernels (block_matvec.cc, page_scores.cc): each C++ source ships with
-the package and is compiled on first use, for this machine (`-march=native`), into a cache directory
-(RSQR_JAX_CACHE, else $XDG_CACHE_HOME/rsqr_jax, else ~/.cache/rsqr_jax) keyed by the source, the jaxlib, the compiler
-(CXX, else c++) and the CPU's instruction sets (a cache shared between machines never hands one a library built for
-another's), then registered with XLA as an FFI target. A caller that cannot build stays on its XLA path and says why.
+"""Building and registering this package's CPU kernels (block_matvec.cc, page_scores.cc, recalled_attention.cc):
+each C++ source ships with the package and is compiled on first use, for this machine (`-march=native`), into a
+cache directory (RSQR_JAX_CACHE, else $XDG_CACHE_HOME/rsqr_jax, else ~/.cache/rsqr_jax) keyed by the source, the
+jaxlib, the compiler (CXX, else c++) and the CPU's instruction sets (a cache shared between machines never hands one
+a library built for another's), then registered with XLA as an FFI target. A caller that cannot build stays on its
+XLA path and says why.
 """
 
 from __future__ import annotations
