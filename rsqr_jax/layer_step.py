@@ -135,8 +135,7 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         if rc.kept_layout is None:
             lay = here()
         else:  # a step that chooses nothing attends the kept choices, whose layout the plan holds per chooser
-            rows = {c: i for i, c in enumerate(rc.choosers(cache.cold_choice.shape[0]))}
-            row = jnp.asarray([rows.get(c, 0) for c in range(cache.cold_choice.shape[0])], jnp.int32)[chooser]
+            row = jnp.asarray(rc.chooser_rows(cache.cold_choice.shape[0]), jnp.int32)[chooser]
             lay = jax.lax.cond(rc.reselect_now, here, lambda: jax.tree.map(lambda x: x[row], rc.kept_layout))
         if rc.placement == "rank":  # in the raw segment, at their ranks, read where they lie by the kernel that can
             tail = StoredRuns(cache.cold_k, cache.cold_v, layer, idx * Pg, Pg, lay.rec_rot_pos_BxR, lay.valid_BxR,

@@ -1,7 +1,8 @@
 """The recall tier (docs/design.md §3b), the one module that writes and reads the cold store: each layer's
 raw K/V into the cold ring and its page summaries (`write_cold`), page scores (the query against each page's
-best or mean key, or Quest's per-channel bound), the top-R choice with neighbours, the recalled K/V
-(`read_cold_runs`), and the raw segment extended with them at their ranks (`extend_raw_segment`). Where each
+best or mean key, or Quest's per-channel bound; on CPU the int8 copy's through kernels.page_scores), the top-R
+choice with neighbours, the recalled K/V (`read_cold_runs`), and where the recalled tokens sit
+(`recalled_layout`: in the raw segment at their ranks, or in the window segment, `extend_window_segment`). Where each
 token's cold slot is (the ring's bookkeeping) is planned once per step with the rest (rsqr_jax.update)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from typing import TYPE_CHECKING
 
 from rsqr_jax.cache import BITS_DTYPE, gather_layer_slots, read_layer_runs, write_kv
+from rsqr_jax.kernels import page_scores as page_scores_kernel
 from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split
 from rsqr_jax.policy import order_index
 from rsqr_jax.rope import rotate_keys
@@ -89,6 +91,12 @@ class Recall:
         if self.share_from is None:
             return tuple(range(n_layers))
         return tuple(layer for layer, source in enumerate(self.share_from) if source == layer)
+
+    def chooser_rows(self, n_layers: int) -> tuple[int, ...]:
+        """Per layer, its row among choosers(n_layers) (kept_layout's leading axis); 0 for a layer that chooses
+        nothing."""
+        rows = {c: i for i, c in enumerate(self.choosers(n_layers))}
+        return tuple(rows.get(layer, 0) for layer in range(n_layers))
 
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                 hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
@@ -329,19 +337,15 @@ class ScoringCopy:
 def _int8_kernel_applies(q_BxCxHqxD, gather_glob, recall: Recall) -> bool:
     """Whether this layer's scores come from the CPU kernel (kernels.page_scores): the "max" rule on the int8 copy, a
     decode step's few queries, on a machine where the kernel builds."""
-    from rsqr_jax.kernels import page_scores
-
     if recall.page_score != "max" or not isinstance(gather_glob, ScoringCopy) or gather_glob.rows.dtype != jnp.int32:
         return False
     C, Hq = q_BxCxHqxD.shape[1:3]
-    return page_scores.applies(C * Hq // gather_glob.rows.shape[2])
+    return page_scores_kernel.applies(C * Hq // gather_glob.rows.shape[2])
 
 
 def _int8_kernel_scores(q_BxCxHqxD, copy: ScoringCopy, n_pages: int, cold_pos_Nc, recall: Recall, inv_freq):
     """live_page_scores' (or, without score blocks, page_scores') answer on the int8 copy, bit for bit, from one
     kernel call: the pages the blocks would cover are scored, the rest -inf."""
-    from rsqr_jax.kernels import page_scores
-
     Hkv = copy.rows.shape[2]
     q_codes, q_scale = quantize_int8(_query_BxCxHkvxGxD(q_BxCxHqxD, Hkv, recall, inv_freq))
     if recall.score_block:
@@ -349,8 +353,8 @@ def _int8_kernel_scores(q_BxCxHqxD, copy: ScoringCopy, n_pages: int, cold_pos_Nc
         covered = jnp.minimum((recall.live_pages + M - 1) // M * M, n_pages)
     else:
         covered = n_pages
-    return page_scores.page_scores_int8(copy.rows, copy.layer, q_codes, q_scale, recall.token_valid_Nc,
-                                        recall.q_real_C, covered, cold_pos_Nc.shape[0] // n_pages)
+    return page_scores_kernel.page_scores_int8(copy.rows, copy.layer, q_codes, q_scale, recall.token_valid_Nc,
+                                               recall.q_real_C, covered, cold_pos_Nc.shape[0] // n_pages)
 
 
 def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,

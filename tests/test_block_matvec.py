@@ -20,6 +20,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_jax.update import step
 from rsqr_jax.testing.tiny import drawn_seed
 from tests.cli import assert_one_line_error, run_script, script_env
+from tests.cpu_kernels import build_for_march
 from tests.hf_fixtures import TinySpec, build_hf_model, write_tiny_gguf
 
 if shutil.which("c++") is None:  # the kernel is built with the machine's C++ compiler
@@ -181,19 +182,7 @@ def test_bench_weights_compares_the_tiled_layout_with_the_other_formats(tmp_path
 def test_the_avx2_and_plain_paths_equal_the_dequantized_product(tmp_path, march):
     """The kernel's source built for machines without AVX-512 (x86-64-v3: its AVX2 path; x86-64: its plain loop),
     registered under a name of its own: the same oracle as the path this machine runs."""
-    import ctypes
-    import platform
-    import subprocess
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the AVX2 and plain x86-64 builds need an x86-64 machine")
-    lib = tmp_path / f"block_matvec_{march}.so"
-    proc = subprocess.run(["c++", "-O2", f"-march={march}", "-std=c++17", "-shared", "-fPIC", "-w",
-                           f"-I{jax.ffi.include_dir()}", str(BM.SOURCE), "-o", str(lib)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    target = f"rsqr_block_matvec_test_{march.replace('-', '_')}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).BlockMatvec),
-                                platform="cpu")
+    target = build_for_march(BM.SOURCE, "BlockMatvec", march, tmp_path)
     seed = drawn_seed(f"block_matvec {march}")
     rng = np.random.default_rng(seed)
     K, N, M = 96, 72, 3

@@ -16,6 +16,7 @@ from rsqr_jax.cache import read_layer_runs
 from rsqr_jax.kernels import recalled_attention as RA
 from rsqr_jax.kernels.survivor_attention import MASK_VALUE, _survivor_scores, rotation_table
 from rsqr_jax.testing.tiny import drawn_seed
+from tests.cpu_kernels import build_for_march, recall_decode_logits
 
 if shutil.which("c++") is None:  # the kernel is built with the machine's C++ compiler
     pytest.skip("no C++ compiler: the CPU kernel cannot be built here", allow_module_level=True)
@@ -94,19 +95,7 @@ def test_kernel_under_vmap_gives_each_element_its_partial():
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_the_plain_loop_built_for_other_machines_gives_the_same_partial(tmp_path, march):
     """The source built without AVX-512 (its plain loops), registered under a name of its own, against XLA."""
-    import ctypes
-    import platform
-    import subprocess
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("these builds need an x86-64 machine")
-    lib = tmp_path / f"recalled_attention_{march}.so"
-    proc = subprocess.run(["c++", "-O2", f"-march={march}", "-std=c++17", "-shared", "-fPIC", "-w",
-                           f"-I{jax.ffi.include_dir()}", str(RA.SOURCE), "-o", str(lib)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    target = f"rsqr_recalled_attention_test_{march.replace('-', '_')}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).RecalledAttention),
-                                platform="cpu")
+    target = build_for_march(RA.SOURCE, "RecalledAttention", march, tmp_path)
     rng = np.random.default_rng(drawn_seed(f"recalled_attention {march}"))
     k, v, starts, rot, valid, qs, table = _case(rng, B=2, C=2, Hkv=2, G=2, D=64, M=3, Pg=16, bits=True)
     B, C, Hkv, G, D = qs.shape
@@ -121,34 +110,23 @@ def test_decode_logits_are_those_of_the_xla_path(monkeypatch):
     """A decode with the recall tier gives the logits it gives with the kernel off, within float32 rounding (the
     kernel sums in another order), and recall changes them (so the kernel's part shows)."""
     import rsqr_jax as rj
-    from rsqr_jax import policy as P
     from rsqr_jax.testing.tiny import tiny_config, tiny_model
 
     cfg = tiny_config(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=64)
     seed = drawn_seed("recalled_attention decode")
     apply_fn, params = tiny_model(cfg, seed)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(1, 72))
-
-    def run(fn, recall_pages=2):
-        pol = P.rsqr(8, 2, 3, 3, recall_pages=recall_pages)
-        spec = rj.CacheSpec.for_policies([pol], max_chunk=40, cold=rj.ColdStore(64, 4, "max"),
-                                         num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                         head_dim=cfg.head_dim)
-        dec = rj.Decoder(fn, spec)
-        _, cache = dec.feed(params, tokens[:, :40], dec.init_cache(), pol)
-        out = []
-        for t in range(40, 72):
-            logits, cache = dec.feed(params, tokens[:, t:t + 1], cache, pol)
-            out.append(np.asarray(logits))
-        return np.concatenate(out)
+    cold = rj.ColdStore(64, 4, "max")
+    run = lambda recall_pages=2: recall_decode_logits(  # noqa: E731  (a function of its own: traced anew)
+        lambda *a, **k: apply_fn(*a, **k), params, cfg, tokens, cold, recall_pages)
 
     taken = []
     real = RA.applies
     monkeypatch.setattr(RA, "applies", lambda *a: taken.append(real(*a)) or taken[-1])
-    with_kernel = run(lambda *a, **k: apply_fn(*a, **k))
+    with_kernel = run()
     assert True in taken and False in taken  # decode steps through the kernel, the 40-row prompt through XLA
     monkeypatch.setattr(RA, "applies", lambda *a: False)
-    without = run(lambda *a, **k: apply_fn(*a, **k))  # a function of its own: traced anew, on XLA's path
+    without = run()  # on XLA's path
     scale = np.abs(without).max()  # logits of a few units: float32 rounding through two layers, relative to them
     np.testing.assert_allclose(with_kernel, without, rtol=0, atol=1e-5 * scale)
-    assert not np.allclose(with_kernel, run(lambda *a, **k: apply_fn(*a, **k), recall_pages=0), atol=1e-3)
+    assert not np.allclose(with_kernel, run(recall_pages=0), atol=1e-3)

@@ -17,7 +17,6 @@
 // into chunks that the caller and XLA's intra-op threads claim from a shared counter (as block_matvec.cc does).
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -35,7 +34,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kThreadedKeys = 1 << 12;  // keys (slots x KV heads x batch rows) below which one thread does it all
-constexpr int64_t kMaxQueries = 64;         // query vectors per KV head (C x G) held in registers' worth of int16
+constexpr int64_t kMaxQueries = 64;         // query vectors per KV head (C x G): one running-dot vector each
 
 struct Job {
   const int32_t* rows;     // this layer's [B, Hkv, N, W]

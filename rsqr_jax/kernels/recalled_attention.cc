@@ -119,93 +119,89 @@ void Head(const Job<T>& j, int64_t b, int64_t h) {
   const float *q = j.q, *table = j.table;
   float *o = j.o, *m = j.m, *l = j.l;
   const int64_t R = M * run, F = D / 2, Q = C * G;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> k(D), s(Q * R);
-  {
-    {
-      const T* kb = j.cold_k + ((static_cast<int64_t>(j.layer) * B + b) * H + h) * N * D;
-      const T* vb = j.cold_v + ((static_cast<int64_t>(j.layer) * B + b) * H + h) * N * D;
-      for (int64_t jj = 0; jj < M; ++jj) {
-        const int64_t first = starts[b * M + jj];
-        Prefetch(kb + first * D, run * D);
-        Prefetch(vb + first * D, run * D);
+  const T* kb = j.cold_k + ((static_cast<int64_t>(j.layer) * B + b) * H + h) * N * D;
+  const T* vb = j.cold_v + ((static_cast<int64_t>(j.layer) * B + b) * H + h) * N * D;
+  for (int64_t jj = 0; jj < M; ++jj) {
+    const int64_t first = starts[b * M + jj];
+    Prefetch(kb + first * D, run * D);
+    Prefetch(vb + first * D, run * D);
+  }
+  // scores s[c * G + g][r]
+  for (int64_t r = 0; r < R; ++r) {
+    if (!valid[b * R + r]) continue;
+    const int64_t slot = starts[b * M + r / run] + r % run;
+    const int32_t pos = rot_pos[b * R + r];
+    const float* row = (pos >= 0 && pos < n_table) ? table + static_cast<int64_t>(pos) * D : nullptr;
+    const T* kr = kb + slot * D;
+    int64_t d0 = 0;
+#if defined(__AVX512F__)
+    if (row)
+      for (; d0 + 16 <= F; d0 += 16) {  // (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin), 16 lanes at a time
+        const __m512 c = _mm512_loadu_ps(row + d0), sn = _mm512_loadu_ps(row + F + d0);
+        const __m512 k1 = Load16(kr + d0), k2 = Load16(kr + F + d0);
+        _mm512_storeu_ps(k.data() + d0, _mm512_sub_ps(_mm512_mul_ps(k1, c), _mm512_mul_ps(k2, sn)));
+        _mm512_storeu_ps(k.data() + F + d0, _mm512_add_ps(_mm512_mul_ps(k2, c), _mm512_mul_ps(k1, sn)));
       }
-      // scores s[c * G + g][r]
-      for (int64_t r = 0; r < R; ++r) {
-        if (!valid[b * R + r]) continue;
-        const int64_t slot = starts[b * M + r / run] + r % run;
-        const int32_t pos = rot_pos[b * R + r];
-        const float nan = std::numeric_limits<float>::quiet_NaN();
-        const float* row = (pos >= 0 && pos < n_table) ? table + static_cast<int64_t>(pos) * D : nullptr;
-        const T* kr = kb + slot * D;
+#endif
+    for (int64_t d = d0; d < F; ++d) {  // (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin)
+      const float c = row ? row[d] : nan, sn = row ? row[F + d] : nan;
+      const float k1 = Load(kr, d), k2 = Load(kr, F + d);
+      k[d] = k1 * c + k2 * -sn;
+      k[F + d] = k2 * c + k1 * sn;
+    }
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t g = 0; g < G; ++g) {
+        s[(c * G + g) * R + r] = Dot(q + (((b * C + c) * H + h) * G + g) * D, k.data(), D);
+      }
+  }
+  // softmax weights p[i][r] (0 for invalid tokens), their max and sum per query
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = c * G + g, at = ((b * H + h) * G + g) * C + c;  // [B, Hkv, G, C]
+      float mx = kMask;
+      for (int64_t r = 0; r < R; ++r)
+        if (valid[b * R + r]) mx = std::isnan(s[i * R + r]) || std::isnan(mx) ? std::numeric_limits<float>::quiet_NaN()
+                                                                             : std::max(mx, s[i * R + r]);
+      float sum = 0.0f;
+      int64_t r0 = 0;
+#if defined(__AVX512F__)
+      for (; r0 + 16 <= R; r0 += 16) {
+        __mmask16 ok = 0;
+        for (int t = 0; t < 16; ++t) ok |= static_cast<__mmask16>(valid[b * R + r0 + t]) << t;
+        const __m512 e = _mm512_maskz_mov_ps(ok, Exp16(_mm512_sub_ps(_mm512_loadu_ps(&s[i * R + r0]), _mm512_set1_ps(mx))));
+        _mm512_storeu_ps(&s[i * R + r0], e);
+        sum += _mm512_reduce_add_ps(e);
+      }
+#endif
+      for (int64_t r = r0; r < R; ++r) {
+        const float e = valid[b * R + r] ? std::exp(s[i * R + r] - mx) : 0.0f;
+        s[i * R + r] = e;
+        sum += e;
+      }
+      m[at] = mx;
+      l[at] = sum;
+      std::fill(o + at * D, o + (at + 1) * D, 0.0f);
+    }
+  // o[i] = sum_r p[i][r] v_r: each value row read once for every query
+  for (int64_t r = 0; r < R; ++r) {
+    if (!valid[b * R + r]) continue;
+    const int64_t slot = starts[b * M + r / run] + r % run;
+    const T* vr = vb + slot * D;
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = c * G + g, at = ((b * H + h) * G + g) * C + c;
+        const float p = s[i * R + r];
+        float* out = o + at * D;
         int64_t d0 = 0;
 #if defined(__AVX512F__)
-        if (row)
-          for (; d0 + 16 <= F; d0 += 16) {  // (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin), 16 lanes at a time
-            const __m512 c = _mm512_loadu_ps(row + d0), sn = _mm512_loadu_ps(row + F + d0);
-            const __m512 k1 = Load16(kr + d0), k2 = Load16(kr + F + d0);
-            _mm512_storeu_ps(k.data() + d0, _mm512_sub_ps(_mm512_mul_ps(k1, c), _mm512_mul_ps(k2, sn)));
-            _mm512_storeu_ps(k.data() + F + d0, _mm512_add_ps(_mm512_mul_ps(k2, c), _mm512_mul_ps(k1, sn)));
-          }
+        const __m512 pv = _mm512_set1_ps(p);
+        for (; d0 + 16 <= D; d0 += 16)
+          _mm512_storeu_ps(out + d0, _mm512_fmadd_ps(pv, Load16(vr + d0), _mm512_loadu_ps(out + d0)));
 #endif
-        for (int64_t d = d0; d < F; ++d) {  // (k1, k2) -> (k1 cos - k2 sin, k2 cos + k1 sin)
-          const float c = row ? row[d] : nan, sn = row ? row[F + d] : nan;
-          const float k1 = Load(kr, d), k2 = Load(kr, F + d);
-          k[d] = k1 * c + k2 * -sn;
-          k[F + d] = k2 * c + k1 * sn;
-        }
-        for (int64_t c = 0; c < C; ++c)
-          for (int64_t g = 0; g < G; ++g) {
-            s[(c * G + g) * R + r] = Dot(q + (((b * C + c) * H + h) * G + g) * D, k.data(), D);
-          }
+        for (int64_t d = d0; d < D; ++d) out[d] += p * Load(vr, d);
       }
-      // softmax weights p[i][r] (0 for invalid tokens), their max and sum per query
-      for (int64_t c = 0; c < C; ++c)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t i = c * G + g, at = ((b * H + h) * G + g) * C + c;  // [B, Hkv, G, C]
-          float mx = kMask;
-          for (int64_t r = 0; r < R; ++r)
-            if (valid[b * R + r]) mx = std::isnan(s[i * R + r]) || std::isnan(mx) ? std::numeric_limits<float>::quiet_NaN()
-                                                                                 : std::max(mx, s[i * R + r]);
-          float sum = 0.0f;
-          int64_t r0 = 0;
-#if defined(__AVX512F__)
-          for (; r0 + 16 <= R; r0 += 16) {
-            __mmask16 ok = 0;
-            for (int t = 0; t < 16; ++t) ok |= static_cast<__mmask16>(valid[b * R + r0 + t]) << t;
-            const __m512 e = _mm512_maskz_mov_ps(ok, Exp16(_mm512_sub_ps(_mm512_loadu_ps(&s[i * R + r0]), _mm512_set1_ps(mx))));
-            _mm512_storeu_ps(&s[i * R + r0], e);
-            sum += _mm512_reduce_add_ps(e);
-          }
-#endif
-          for (int64_t r = r0; r < R; ++r) {
-            const float e = valid[b * R + r] ? std::exp(s[i * R + r] - mx) : 0.0f;
-            s[i * R + r] = e;
-            sum += e;
-          }
-          m[at] = mx;
-          l[at] = sum;
-          std::fill(o + at * D, o + (at + 1) * D, 0.0f);
-        }
-      // o[i] = sum_r p[i][r] v_r: each value row read once for every query
-      for (int64_t r = 0; r < R; ++r) {
-        if (!valid[b * R + r]) continue;
-        const int64_t slot = starts[b * M + r / run] + r % run;
-        const T* vr = vb + slot * D;
-        for (int64_t c = 0; c < C; ++c)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t i = c * G + g, at = ((b * H + h) * G + g) * C + c;
-            const float p = s[i * R + r];
-            float* out = o + at * D;
-            int64_t d0 = 0;
-#if defined(__AVX512F__)
-            const __m512 pv = _mm512_set1_ps(p);
-            for (; d0 + 16 <= D; d0 += 16)
-              _mm512_storeu_ps(out + d0, _mm512_fmadd_ps(pv, Load16(vr + d0), _mm512_loadu_ps(out + d0)));
-#endif
-            for (int64_t d = d0; d < D; ++d) out[d] += p * Load(vr, d);
-          }
-      }
-    }
   }
 }
 

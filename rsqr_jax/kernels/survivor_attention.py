@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from rsqr_jax.kernels import recalled_attention
 from rsqr_jax.kernels.exact_rope import _is_concrete, angles_from_words, rope_cos_sin, rope_table, rotate_half_split, turn_words
 
 # Finite mask value (as in jax.experimental.pallas.ops): -inf would turn fully masked rows into NaN.
@@ -574,8 +575,6 @@ def survivor_attention_xla(
     default rank_limit counts them), as its own partial softmax - the recall tier's tokens (rsqr_jax.layer_step)
     without copying the survivors and them into one array at every layer; stored slots go through the CPU kernel
     recalled_attention where it applies (a decode step), read out of the store otherwise."""
-    from rsqr_jax.kernels import recalled_attention
-
     B, C, Hq, D = q.shape
     Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k.shape[2]
     stored = isinstance(raw_tail, recalled_attention.StoredRuns)
