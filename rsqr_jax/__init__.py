@@ -1,7 +1,8 @@
 """rsqr_jax: exact, cheap bounded KV caches for streaming LLMs (RSQR and every rival policy), in JAX.
 
-The public API (see README.md): policies as data, the cache spec and pytree, the one decode engine,
-sessions and the text-level chat over one, sampling, streaming NLL and vmapped sweeps. Names resolve on
+The public API (see README.md): `load()`, the front door (a model and its preset: chats, sessions, one-call
+generation); policies as data, the cache spec and pytree, the one decode engine, sessions and the text-level
+chat over one, sampling, streaming NLL and vmapped sweeps. Names resolve on
 first use (PEP 562), so importing a subpackage (the kernels, the command-line plumbing) does not import
 the whole engine.
 
@@ -17,11 +18,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "rsqr_jax.api": ["Model", "load"],
     "rsqr_jax.cache": ["KVCache", "init_cache", "init_policy_cache"],
-    "rsqr_jax.conversation": ["Chat"],
+    "rsqr_jax.conversation": ["Chat", "Pins"],
     "rsqr_jax.engine": ["Decoder", "stream_nll"],
     "rsqr_jax.policy": ["MODES", "Policy", "PolicyError", "full", "leave_gaps", "make_policy", "replay", "rerotate",
                         "rsqr", "rsqr_precompute", "stack_policies", "streamingllm", "unstack_policies", "window"],
+    "rsqr_jax.presets": ["Preset", "PresetError", "Settings", "find_preset", "load_preset"],
     "rsqr_jax.sampling": ["Sampling"],
     "rsqr_jax.session": ["Session", "SessionFileError"],
     "rsqr_jax.spec": ["CacheSpec", "ColdStore", "validate"],

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rsqr_jax.policy_defaults import DEFAULTS
+from rsqr_jax.presets import policy_defaults
 
 MODES = ("full", "window", "streamingllm", "leave_gaps", "rerotate", "replay", "rsqr", "rsqr_precompute")
 OVERFLOWS = ("fifo", "decimate")
@@ -26,7 +26,8 @@ FULL, WINDOW, STREAMINGLLM, LEAVE_GAPS, REROTATE, REPLAY, RSQR, RSQR_PRECOMPUTE 
 # "Keeps everything": a window no stream reaches (int32-safe even after adding a block).
 UNBOUNDED = 1 << 30
 
-_D = DEFAULTS  # the library's defaults (rsqr_jax.policy_defaults; also rsqr_jax.policy.DEFAULTS)
+# The constructors' defaults: the generic preset's policy, recall off (rsqr_jax.presets).
+DEFAULTS = _D = policy_defaults()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,38 +208,41 @@ def window(window: int = _D["window"], *, block: int = _D["block"]) -> Policy:
     return make_policy("window", window=window, block=block)
 
 
-def streamingllm(window: int = _D["window"], n_sink: int = _D["n_sink"], *, block: int = _D["block"],
+def streamingllm(window: int = _D["window"], sinks: int = _D["n_sink"], *, block: int = _D["block"],
                  recall_pages: int = 0) -> Policy:
-    return make_policy("streamingllm", window=window, n_sink=n_sink, block=block, recall_pages=recall_pages)
+    return make_policy("streamingllm", window=window, n_sink=sinks, block=block, recall_pages=recall_pages)
 
 
-def leave_gaps(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+def leave_gaps(window=_D["window"], sinks=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
                block=_D["block"], overflow=_D["overflow"]) -> Policy:
-    return make_policy("leave_gaps", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+    return make_policy("leave_gaps", window=window, n_sink=sinks, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow)
 
 
-def rerotate(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+def rerotate(window=_D["window"], sinks=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
              block=_D["block"], overflow=_D["overflow"]) -> Policy:
-    return make_policy("rerotate", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+    return make_policy("rerotate", window=window, n_sink=sinks, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow)
 
 
-def replay(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+def replay(window=_D["window"], sinks=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
            block=_D["block"], overflow=_D["overflow"]) -> Policy:
-    return make_policy("replay", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+    return make_policy("replay", window=window, n_sink=sinks, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow)
 
 
-def rsqr(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+def rsqr(window=_D["window"], sinks=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
          block=_D["block"], overflow=_D["overflow"], recall_pages=0) -> Policy:
-    return make_policy("rsqr", window=window, n_sink=n_sink, delta=delta, max_survivors=max_survivors,
+    """RSQR: window keys rotated once, every delta-th evicted token a raw survivor (at most max_survivors), the
+    first `sinks` tokens kept; recall_pages > 0 recalls evicted pages (the session needs a cold store).
+    Every argument may be given by keyword: rsqr(window=256, sinks=4, delta=8, max_survivors=64)."""
+    return make_policy("rsqr", window=window, n_sink=sinks, delta=delta, max_survivors=max_survivors,
                        block=block, overflow=overflow, recall_pages=recall_pages)
 
 
-def rsqr_precompute(window=_D["window"], n_sink=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
+def rsqr_precompute(window=_D["window"], sinks=_D["n_sink"], delta=_D["delta"], max_survivors=_D["max_survivors"],
                     block=_D["block"], overflow=_D["overflow"]) -> Policy:
-    return make_policy("rsqr_precompute", window=window, n_sink=n_sink, delta=delta,
+    return make_policy("rsqr_precompute", window=window, n_sink=sinks, delta=delta,
                        max_survivors=max_survivors, block=block, overflow=overflow)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from rsqr_jax import policy as P
 from rsqr_jax.policy import Policy, PolicyError, host_policies
+from rsqr_jax.presets import format_choice_sources, parse_choice_sources  # noqa: F401 (re-exported)
 
 
 # How recall ranks cold pages against a layer's queries (both on keys rotated at their global positions):
@@ -45,42 +46,6 @@ DEFAULT_PLACEMENT = "rank"
 # Pinned spans a stream may hold (docs/design.md §3c): each is a [start, stop) range of global positions, stream
 # state kept in the cache beside the positions (a system prompt, a first turn, the first K tokens, ...).
 PIN_SPANS = 8
-
-
-def parse_choice_sources(text: str, sep: str = ",") -> tuple[int, ...]:
-    """'0-1:none,10-13:9,15-29:14' -> ColdStore.share_from as a tuple: each named layer (or range) attends the
-    source's page choice (none: recalls nothing); an unnamed layer chooses its own. ValueError on bad syntax."""
-    sources: dict[int, int] = {}
-    for item in text.split(sep):
-        layers, _, source = item.strip().partition(":")
-        first, _, last = layers.partition("-")
-        try:
-            lo, hi = int(first), int(last or first)
-            src = -1 if source.strip().lower() == "none" else int(source)
-        except ValueError:
-            raise ValueError(f"LAYER[-LAYER]:SOURCE items (SOURCE a layer or none), got {item!r}") from None
-        if lo < 0 or hi < lo or src < -1:
-            raise ValueError(f"layers from >= 0 to a later one and a source >= 0 or none, got {item!r}")
-        sources.update(dict.fromkeys(range(lo, hi + 1), src))
-    return tuple(sources.get(layer, layer) for layer in range(max(sources) + 1))
-
-
-def format_choice_sources(sources: tuple[int, ...], sep: str = ",") -> str:
-    """The text `parse_choice_sources` reads back to the same sources (runs of layers with one source; the layers
-    that choose their own are left out, so a trailing run of them is implied)."""
-    items, layer = [], 0
-    while layer < len(sources):
-        src = sources[layer]
-        if src == layer:
-            layer += 1
-            continue
-        end = layer
-        while end + 1 < len(sources) and sources[end + 1] == src:
-            end += 1
-        name = "none" if src < 0 else str(src)
-        items.append(f"{layer}-{end}:{name}" if end > layer else f"{layer}:{name}")
-        layer = end + 1
-    return sep.join(items) or "0:0"
 
 
 def _check_choice_sources(sources: tuple) -> None:

@@ -109,10 +109,12 @@ def test_plan_turns():
 
 
 def test_weights_dtype_auto_is_float32_on_cpu_and_the_cache_dtype_elsewhere():
-    assert chat.resolve_weights_dtype("auto", "bfloat16", "cpu") == "float32"
-    assert chat.resolve_weights_dtype("auto", "bfloat16", "gpu") == "bfloat16"
-    assert chat.resolve_weights_dtype("auto", "float32", "gpu") == "float32"
-    assert chat.resolve_weights_dtype("bfloat16", "float32", "cpu") == "bfloat16"
+    from rsqr_jax.api import resolve_weights_dtype
+
+    assert resolve_weights_dtype("auto", "bfloat16", "cpu") == "float32"
+    assert resolve_weights_dtype("auto", "bfloat16", "gpu") == "bfloat16"
+    assert resolve_weights_dtype("auto", "float32", "gpu") == "float32"
+    assert resolve_weights_dtype("bfloat16", "float32", "cpu") == "bfloat16"
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +201,7 @@ def test_decode_help_names_the_dtype_defaults(cli):
 @pytest.mark.slow
 def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_path, smollm2_config, tmp_path):
     from rsqr_jax.policy import make_policy
+    from rsqr_jax.presets import parse_choice_sources
     from rsqr_jax.spec import CacheSpec, ColdStore
 
     proc = run("decode.py", "--prompt", "Hi", "--max-new-tokens", "2", "--cache-dtype", "bfloat16", "--json",
@@ -210,11 +213,11 @@ def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_p
     c = smollm2_config
     # decode.py's defaults: rsqr with the recall tier on (4 pages of the default 4096-token cold store, int8 scoring copy)
     pol = make_policy("rsqr", window=256, n_sink=4, delta=8, max_survivors=64, block=1, overflow="fifo",
-                      recall_pages=chat.DEFAULT_RECALL_PAGES)
+                      recall_pages=4)
     spec = CacheSpec.for_policies(pol, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                  dtype="bfloat16", max_chunk=64, max_recall_pages=chat.DEFAULT_RECALL_PAGES,
-                                  cold=ColdStore(4096, 16, reselect=chat.DEFAULT_RESELECT, share_from=chat.DEFAULT_SHARE_FROM,
-                                                 score_dtype=chat.DEFAULT_SCORE_DTYPE))
+                                  dtype="bfloat16", max_chunk=64, max_recall_pages=4,
+                                  cold=ColdStore(4096, 16, reselect=4, share_from=parse_choice_sources(
+                                      "0-1:none,10-13:9,15-29:14"), score_dtype="int8"))
     assert result["cache_bytes"] == spec.bytes_by_part(pol) and result["cache_bytes"]["cold_store"] > 0
     assert result["policy_name"].endswith("recall=4)")
     assert "float32 weights, bfloat16 cache" in proc.stderr

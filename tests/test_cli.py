@@ -190,38 +190,41 @@ def test_policy_flags_take_the_library_defaults_and_a_subset_builds_the_same_pol
     pol = policy_from_args(args, window=32, mode="rerotate")
     assert pol.host() == P.rerotate(32, 2, P.DEFAULTS["delta"], 16).host()
     args.max_survivors = None  # a flag left None: the library's value
-    assert policy_from_args(args).host() == P.rsqr(n_sink=2).host()
+    assert policy_from_args(args).host() == P.rsqr(sinks=2).host()
     with pytest.raises(TypeError, match="no policy flag 'cap'"):
         add_policy_args(Parser(), cap=3)
 
 
-def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_off(tmp_path):
-    """decode.py on the embedded model: 9 layers choose every 4th step from the int8 scoring copy (layers 10-13
-    attend layer 9's choice, 15-29 layer 14's, 0-1 recall nothing); on another model every layer chooses at every
-    step from the float32 copy; `--share-choice-from none` and a resumed session that did not share keep every
-    layer choosing; a session saved with one source per layer keeps them."""
-    from rsqr_jax.cli.args import UsageError, cold_store_flags, resolve_recall_default
-    from rsqr_jax.cli.chat import SHARE_NONE, saved_settings
+def test_recall_choice_defaults_are_the_models_preset_and_none_turns_sharing_off(smollm2_config):
+    """decode.py resolves its recall flags from the model's preset: on the embedded model 9 layers choose every 4th
+    step from the int8 scoring copy (layers 10-13 attend layer 9's choice, 15-29 layer 14's, 0-1 recall nothing);
+    on a model without a preset (the generic one) every layer chooses at every step from the float32 copy;
+    `--share-choice-from none` and a resumed session that did not share keep every layer choosing; a session saved
+    with one source per layer keeps them."""
+    from rsqr_jax.cli.args import SHARE_NONE, UsageError, apply_preset, cold_store_flags
+    from rsqr_jax.cli.chat import saved_settings
     from rsqr_jax.cli.decode import build_parser
     from rsqr_jax.spec import CacheSpec, ColdStore
+    from rsqr_jax.testing.tiny import tiny_config
 
-    def cold(argv):
+    def cold(argv, config=smollm2_config):
         args = build_parser().parse_args(argv)
-        resolve_recall_default(args)
+        apply_preset(args, config)
         return cold_store_flags(args)
 
-    model = tmp_path / "other.gguf"
-    model.write_bytes(b"")
     sources = cold(["--share-choice-from", "0-1:none,10-13:9,15-29:14"]).share_from
     assert cold([]) == ColdStore(reselect=4, share_from=sources, score_dtype="int8")
     assert cold([]).choice_sources(30) == (-1, -1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 9) + (14,) * 16
-    assert cold(["--model", str(model)]) == ColdStore()
+    assert cold([], tiny_config()) == ColdStore()
+    assert cold(["--preset", "generic"]) == ColdStore()
     assert cold(["--share-choice-from", "none"]) == ColdStore(reselect=4, score_dtype="int8")
     assert cold(["--share-choice-from", "20", "--reselect", "1", "--score-dtype", "float32"]) == ColdStore(share_from=20)
     per_layer = cold(["--share-choice-from", "0-1:none,5:3,7-8:6"])  # the layers between choose their own
     assert per_layer.share_from == (-1, -1, 2, 3, 4, 3, 6, 6, 6)
     with pytest.raises(UsageError, match="unknown score dtype 'int4'"):
         cold(["--score-dtype", "int4"])
+    with pytest.raises(UsageError, match="no preset 'nope'"):
+        cold(["--preset", "nope"])
     # a session saved unshared, one shared from 14, and one with a source per layer
     for saved, want in ((None, SHARE_NONE), (14, 14), ((-1, 1, 1), (-1, 1, 1))):
         spec = CacheSpec.from_json(json.loads(json.dumps(  # through a session file's JSON
@@ -232,6 +235,6 @@ def test_recall_choice_defaults_are_the_embedded_models_and_none_turns_sharing_o
                   "sampling": {"temperature": 0.0}}
         args = build_parser().parse_args([])
         vars(args).update(saved_settings(header))
-        resolve_recall_default(args)  # the defaults do not override what the session fixed
+        apply_preset(args, smollm2_config)  # the preset does not override what the session fixed
         assert args.share_choice_from == want and cold_store_flags(args).share_from == saved
         assert cold_store_flags(args).score_dtype == "float32"  # as saved, not the new session's default

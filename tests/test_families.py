@@ -195,7 +195,7 @@ def test_mistral_sliding_window(family_dirs, tmp_path):
     ids = _text_ids(directory, spec)
     ref = _parity(directory, spec, ids, ours_fn=lambda: forward_logits(model, ids.astype(np.int32)))[0]
     try:
-        streamed, cache, cspec = F.stream_logits(model, P.rsqr(window=16, n_sink=2, delta=3, max_survivors=6),
+        streamed, cache, cspec = F.stream_logits(model, P.rsqr(window=16, sinks=2, delta=3, max_survivors=6),
                                                  ids[0, :80], [40, 16])
     finally:
         F.STEPS.clear()
@@ -256,7 +256,7 @@ def test_sweep_and_session_on_qwen3(family_dirs, tmp_path):
     cfg = model.config
     apply_fn, params = split_apply(model.model)
     ids = _text_ids(directory, spec, T=48).astype(np.int32)
-    pols = [P.rsqr(window=16, n_sink=2, delta=3, max_survivors=6), P.streamingllm(window=16, n_sink=2)]
+    pols = [P.rsqr(window=16, sinks=2, delta=3, max_survivors=6), P.streamingllm(window=16, sinks=2)]
     swept = np.asarray(sweep_nll(apply_fn, params, ids, pols, config=cfg, chunk=4))
     for p, pol in enumerate(pols):
         own = CacheSpec.for_policies(pol, dims=cfg, max_chunk=4, max_len=48)

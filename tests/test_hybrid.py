@@ -86,7 +86,7 @@ def test_per_layer_type_cache(loaded):
 
     cfg = loaded["gemma2"].config
     assert cfg.is_local == (True, False, True, False) and cfg.local_window == 24
-    pol = P.rsqr(window=64, n_sink=4, delta=4, max_survivors=32)
+    pol = P.rsqr(window=64, sinks=4, delta=4, max_survivors=32)
     spec = CacheSpec.for_policies(pol, dims=cfg, max_chunk=8)
     assert (spec.num_layers, spec.local_layers, spec.local_window) == (2, 2, 24)
     cache = init_cache(spec)
@@ -120,13 +120,13 @@ def test_cache_without_rings_is_refused(loaded):
         jax.eval_shape(lambda: step(apply_fn, params, jnp.zeros((1, 8), jnp.int32), init_cache(spec), P.full()))
     assert "\n" not in str(e.value) and "dims=" in str(e.value)
     with pytest.raises(ValueError, match="replay is not defined for hybrid"):
-        CacheSpec.for_policies(P.replay(window=16, n_sink=2, delta=3, max_survivors=6), dims=cfg, max_chunk=8)
+        CacheSpec.for_policies(P.replay(window=16, sinks=2, delta=3, max_survivors=6), dims=cfg, max_chunk=8)
 
 
 POLICIES = {
-    "rsqr": lambda: P.rsqr(window=16, n_sink=2, delta=3, max_survivors=6),
-    "leave_gaps": lambda: P.leave_gaps(window=16, n_sink=2, delta=3, max_survivors=6),
-    "streamingllm": lambda: P.streamingllm(window=16, n_sink=2),
+    "rsqr": lambda: P.rsqr(window=16, sinks=2, delta=3, max_survivors=6),
+    "leave_gaps": lambda: P.leave_gaps(window=16, sinks=2, delta=3, max_survivors=6),
+    "streamingllm": lambda: P.streamingllm(window=16, sinks=2),
 }
 
 
@@ -192,7 +192,7 @@ def test_session_save_resume_on_hybrid(loaded, tmp_path):
 
     model = loaded["gemma3"]
     apply_fn, params = split_apply(model.model)
-    pol = P.rsqr(window=16, n_sink=2, delta=3, max_survivors=6)
+    pol = P.rsqr(window=16, sinks=2, delta=3, max_survivors=6)
     kw = dict(dims=model.config, chunk=8, seed=5, vocab_size=model.config.vocab_size)
     ids = list(np.random.default_rng(7).integers(3, 100, size=40))
     a = Session.create(apply_fn, params, pol, **kw)
@@ -276,7 +276,7 @@ def test_lm_eval_engine_on_hybrid(loaded):
     pytest.importorskip("lm_eval")
     from rsqr_jax.eval.lm_eval_model import RsqrLM
 
-    lm = RsqrLM.from_model_args("policy=rsqr,window=16,sinks=2,delta=3,max_survivors=6,max_length=96,max_gen_toks=8",
+    lm = RsqrLM.from_model_args("policy=rsqr,window=16,sinks=2,delta=3,max_survivors=6,recall_pages=0,max_length=96,max_gen_toks=8",
                                 pieces=(apply_fn, params, cfg, model.tokenizer))
     assert lm.engine.spec.local_layers == 2 and lm.engine.spec.local_window == 24
 
@@ -286,7 +286,7 @@ def test_rsqr_without_survivors_is_streamingllm_on_hybrid(gemma_dirs, loaded):
     streamingllm (same token set on the global layers, the same rings on the local ones)."""
     spec, directory = gemma_dirs["gemma2"]
     ids = _text_ids(directory, spec, T=64)[0]
-    a, ca, _ = _stream(loaded["gemma2"], P.rsqr(window=16, n_sink=2, delta=0, max_survivors=1), ids, [4] * 16)
-    b, cb, _ = _stream(loaded["gemma2"], P.streamingllm(window=16, n_sink=2), ids, [4] * 16)
+    a, ca, _ = _stream(loaded["gemma2"], P.rsqr(window=16, sinks=2, delta=0, max_survivors=1), ids, [4] * 16)
+    b, cb, _ = _stream(loaded["gemma2"], P.streamingllm(window=16, sinks=2), ids, [4] * 16)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(np.asarray(ca.loc_pos), np.asarray(cb.loc_pos))

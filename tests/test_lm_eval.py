@@ -108,7 +108,7 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
 
     # Bounded policies on the same multiple-choice requests: contexts of ~90 tokens through a 16-token window.
     full = _lls(ours, "rsqr_facts")
-    for args in ("policy=rsqr,window=16,sinks=4,delta=4,max_survivors=8,chunk=16",
+    for args in ("policy=rsqr,window=16,sinks=4,delta=4,max_survivors=8,chunk=16,recall_pages=0",
                  "policy=rsqr,window=16,sinks=4,delta=4,max_survivors=8,chunk=16,recall_pages=2,page_size=8,"
                  "cold_capacity=128"):
         lm = RsqrLM.from_model_args(args, pieces=pieces)
@@ -149,6 +149,9 @@ def test_recall_model_arguments_reach_the_cold_store():
     lm = RsqrLM.from_model_args(args + "placement=true,reselect=3,share_from=0", pieces=pieces)
     assert lm.engine.spec.cold == ColdStore(32, 4, "mean", placement="true", reselect=3, share_from=0)
     assert RsqrLM.from_model_args(args, pieces=pieces).engine.spec.cold == ColdStore(32, 4, "mean")
+    preset = RsqrLM.from_model_args("", pieces=pieces)  # nothing given: the model's preset (here the generic one)
+    assert preset.engine.spec.cold == ColdStore() and preset.description["policy_name"].endswith("recall=4)")
+    assert RsqrLM.from_model_args("policy=streamingllm", pieces=pieces).engine.spec.cold is None
     with pytest.raises(ConfigError, match="share_from 2 is not one of the 2 layers that recall"):
         RsqrLM.from_model_args(args + "share_from=2", pieces=pieces)
     # one source per layer, ';'-separated (lm-eval splits model arguments at ','): layer 0 recalls nothing

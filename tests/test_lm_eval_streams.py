@@ -95,7 +95,8 @@ def test_lm_eval_builtin_tasks_through_include_yaml_same_with_streams(model):
 
     pieces = (*model, CFG, _Tokenizer(CFG.vocab_size))
     # the first test's engines (so their compilations are reused): rsqr W=8 against passages of ~8k bytes
-    args = "policy=rsqr,window=8,sinks=2,delta=3,max_survivors=4,chunk=8,max_length=64,gen_block=4,max_gen_toks=8"
+    args = ("policy=rsqr,window=8,sinks=2,delta=3,max_survivors=4,recall_pages=0,chunk=8,max_length=64,gen_block=4,"
+            "max_gen_toks=8")
     # batch_size as scripts/eval_tasks.py hands it over: a string, through check_model_args
     lms = [RsqrLM.from_model_args(args, pieces=pieces),
            RsqrLM.from_model_args(check_model_args({**simple_parse_args_string(args), "batch_size": "2"}),

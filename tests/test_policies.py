@@ -338,13 +338,13 @@ def test_validation_rejects_impossible_policies():
 
     small = CacheSpec(1, 1, 1, 2, win_capacity=8, surv_capacity=4)
     with pytest.raises(P.PolicyError, match="window capacity"):
-        validate(P.rsqr(window=16, n_sink=1, delta=4, max_survivors=1), small)
+        validate(P.rsqr(window=16, sinks=1, delta=4, max_survivors=1), small)
     with pytest.raises(P.PolicyError, match="survivor capacity"):
-        validate(P.rsqr(window=8, n_sink=2, delta=2, max_survivors=8), small)
+        validate(P.rsqr(window=8, sinks=2, delta=2, max_survivors=8), small)
     with pytest.raises(P.PolicyError, match="chunk"):
-        validate(P.rsqr(window=4, n_sink=0, delta=0), CacheSpec(1, 1, 1, 2, 8, 0, max_chunk=8), chunk=8)
+        validate(P.rsqr(window=4, sinks=0, delta=0), CacheSpec(1, 1, 1, 2, 8, 0, max_chunk=8), chunk=8)
     with pytest.raises(P.PolicyError, match="precompute"):
-        validate(P.rsqr_precompute(window=4, n_sink=0, delta=0), CacheSpec(1, 1, 1, 2, 8, 0))
+        validate(P.rsqr_precompute(window=4, sinks=0, delta=0), CacheSpec(1, 1, 1, 2, 8, 0))
 
 
 def test_one_set_of_defaults_and_derived_policies_are_checked():

@@ -228,7 +228,9 @@ def test_per_layer_page_choice_reaches_the_model_arguments_and_reports_merge_aft
     """--share-choice-from with one source per layer (decode.py's choice on the embedded model): the recall arm's
     model arguments carry it in the ';'-separated form lm-eval passes through, which reads back to the same
     sources; a report read back from JSON (lists) merges with one in memory (tuples)."""
-    from rsqr_jax.cli.chat import DEFAULT_SHARE_FROM
+    from rsqr_jax.presets import load_preset, parse_choice_sources
+
+    DEFAULT_SHARE_FROM = parse_choice_sources(load_preset("SmolLM2-135M-Instruct").recall["share_from"])
     from rsqr_jax.cli.eval_ruler import build_parser, spec_from
     from rsqr_jax.eval.lm_eval_model import check_model_args
     from rsqr_jax.eval.ruler import merge_reports

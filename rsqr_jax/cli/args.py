@@ -22,6 +22,11 @@ DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "frankenstein.t
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+SHARE_NONE = -1  # --share-choice-from none: every layer chooses its own pages
+SAMPLING_DESTS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                  "frequency_penalty")
+
+
 class UsageError(Exception):
     """Bad user input: reported as one line, exit code 2."""
 
@@ -57,72 +62,73 @@ _POLICY_HELP = {"window": "window W (keeps W..W+block-1 recent tokens)", "sinks"
 
 @functools.cache
 def policy_defaults() -> dict:
-    """The library's policy defaults (rsqr_jax.policy_defaults: literals, no jax import)."""
-    from rsqr_jax.policy_defaults import DEFAULTS
+    """The policy constructors' defaults (rsqr_jax.presets: the generic preset's policy; no jax import)."""
+    from rsqr_jax.presets import policy_defaults as defaults
 
-    return dict(DEFAULTS)
+    return defaults()
 
 
-def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr", recall_by_default: bool = False,
+def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr", preset: bool = False,
                     flags: tuple[str, ...] = ("policy", *POLICY_FLAGS), recall: bool = True, **defaults) -> None:
     """The policy flags, with the library's defaults (policy_defaults()) unless `defaults` gives a command's
     own by flag (window=512; None: the command resolves it, its help says how). flags: the ones to add (a
     study that sets the others itself takes a subset; policy_from_args fills them in). recall: also the recall
-    tier's flags; recall_by_default: --recall-pages defaults to None, which resolve_recall_default turns into
-    the chat default (recall on under rsqr)."""
+    tier's flags. preset: every policy and recall flag defaults to None, resolved from the model's preset by
+    `apply_preset` once the model's config is read."""
     unknown = set(defaults) - set(POLICY_FLAGS)
     if unknown:
         raise TypeError(f"add_policy_args: no policy flag {sorted(unknown)[0]!r}")
     lib = policy_defaults()
-    g = p.add_argument_group("policy")
+    g = p.add_argument_group("policy" + (" (default: the model's preset, rsqr_jax/presets)" if preset else ""))
     if "policy" in flags:
-        g.add_argument("--policy", default=default_policy,
-                       help="full, window, streamingllm, leave_gaps, rerotate, replay, rsqr, rsqr_precompute")
+        g.add_argument("--policy", default=None if preset else default_policy,
+                       help="full, window, streamingllm, leave_gaps, rerotate, replay, rsqr, rsqr_precompute"
+                       + (f" (the presets': {default_policy})" if preset else ""))
     for dest, key in POLICY_FLAGS.items():
         if dest in flags:
+            default = None if preset else defaults.get(dest, lib[key])
+            shown = f" (generic preset: {lib[key]})" if preset else ""
             g.add_argument("--" + dest.replace("_", "-"), type=None if dest == "overflow" else int,
-                           default=defaults.get(dest, lib[key]), help=_POLICY_HELP[dest])
+                           default=default, help=_POLICY_HELP[dest] + shown)
     if recall:
-        add_recall_args(p, default_pages=None if recall_by_default else 0)
+        add_recall_args(p, default_pages=None if preset else 0, preset=preset)
 
 
 def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0, what: str = "",
-                    pages: bool = True) -> None:
-    """The recall tier's flags (DESIGN section 3b); `what` says which arm they apply to, if not --policy;
-    pages=False leaves out --recall-pages (where a grid sets it); default_pages None = the chat default
-    (see resolve_recall_default)."""
-    g = p.add_argument_group("recall tier (rsqr, streamingllm)" + (f": {what}" if what else ""))
+                    pages: bool = True, preset: bool = False) -> None:
+    """The recall tier's flags (docs/design.md 3b); `what` says which arm they apply to, if not --policy;
+    pages=False leaves out --recall-pages (where a grid sets it); preset: every flag defaults to None (the
+    model's preset, `apply_preset`)."""
+    g = p.add_argument_group("recall tier (rsqr, streamingllm)" + (f": {what}" if what else "")
+                             + (" (default: the model's preset)" if preset else ""))
     if pages:
-        default_help = f"default {default_pages}"
-        if default_pages is None:
-            from rsqr_jax.cli.chat import DEFAULT_RECALL_PAGES
-
-            default_help = f"default: {DEFAULT_RECALL_PAGES} under rsqr, 0 under the other policies"
+        default_help = ("the preset's under its policy (4 pages), 0 under another policy" if default_pages is None
+                        else f"default {default_pages}")
         g.add_argument("--recall-pages", type=int, default=default_pages,
-                       help=f"cold pages each layer recalls per step (0 = off; {default_help}; DESIGN section 3b)")
-    g.add_argument("--cold-capacity", type=int, default=4096,
+                       help=f"cold pages each layer recalls per step (0 = off; {default_help})")
+    g.add_argument("--cold-capacity", type=int, default=None if preset else 4096,
                    help="evicted tokens the cold store keeps at least (a multiple of --page-size; used when recalling)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per cold page")
+    g.add_argument("--page-size", type=int, default=None if preset else 16, help="tokens per cold page")
     g.add_argument("--page-score", default=None, help="how pages are ranked: max (the default: the page's best "
-                   "token, exact; a float32 scoring copy of every cold key, the whole store scored each step), "
+                   "token, exact; a scoring copy of every cold key, the whole store scored each step), "
                    "shortlist (the best token of the 16 x K pages of best mean key: the same choices in the "
                    "measurements, no scoring copy; for stores of 16k tokens and more), mean (the query against the "
                    "page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
-    g.add_argument("--recall-neighbors", type=int, default=0,
+    g.add_argument("--recall-neighbors", type=int, default=None if preset else 0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
     g.add_argument("--reselect", type=int, default=None,
-                   help="choose pages afresh every k decode steps (default 1, except decode.py on the embedded model: "
-                   "4, with --share-choice-from 14; prompts and the step after one always choose); in between each "
-                   "layer attends the pages it chose last, so the scoring costs 1/k")
+                   help="choose pages afresh every k decode steps (default: the preset's; the generic one: 1, the "
+                   "embedded model's: 4); prompts and the step after one always choose; in between each layer "
+                   "attends the pages it chose last, so the scoring costs 1/k")
     g.add_argument("--share-choice-from", type=layer_or_none, default=None, metavar="LAYER",
                    help="layers after LAYER attend the pages LAYER chose instead of scoring the store themselves "
-                   "(the store is scored in LAYER + 1 layers, not all); none: every layer chooses (the default, "
-                   "except decode.py on the embedded model); or per layer, e.g. 0-1:none,10-13:9,15-29:14 (layers "
-                   "0-1 recall nothing, 10-13 attend layer 9's choice, 15-29 layer 14's, the rest choose their own)")
+                   "(the store is scored in LAYER + 1 layers, not all); none: every layer chooses; or per layer, "
+                   "e.g. 0-1:none,10-13:9,15-29:14 (layers 0-1 recall nothing, 10-13 attend layer 9's choice, "
+                   "15-29 layer 14's, the rest choose their own; the embedded model's preset)")
     g.add_argument("--score-dtype", default=None,
-                   help="the max rule's scoring copy of the cold keys: float32 (exact scores; the default, except "
-                   "decode.py on the embedded model: int8) or int8 (a code per value and a scale per key, scored by "
-                   "an int32 dot: a quarter of the copy's memory; docs/recall_tier.md sections 10-11)")
+                   help="the max rule's scoring copy of the cold keys: float32 (exact scores) or int8 (a code per "
+                   "value and a scale per key, scored by an int32 dot: a quarter of the copy's memory); default: "
+                   "the preset's (the embedded model's: int8, the generic one: float32)")
     g.add_argument("--placement", default=None,
                    help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
                    "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
@@ -145,10 +151,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def layer_or_none(text: str) -> int | tuple[int, ...]:
-    """--share-choice-from: a layer index, none (chat.SHARE_NONE: every layer chooses), or one source per layer
-    (spec.parse_choice_sources: 0-1:none,10-13:9,...)."""
-    from rsqr_jax.cli.chat import SHARE_NONE
-    from rsqr_jax.spec import parse_choice_sources
+    """--share-choice-from: a layer index, none (SHARE_NONE: every layer chooses), or one source per layer
+    (presets.parse_choice_sources: 0-1:none,10-13:9,...)."""
+    from rsqr_jax.presets import parse_choice_sources
 
     if text.strip().lower() == "none":
         return SHARE_NONE
@@ -166,21 +171,36 @@ def layer_or_none(text: str) -> int | tuple[int, ...]:
     return value
 
 
-def resolve_recall_default(args) -> None:
-    """Set an unset --recall-pages (None) to the chat default for --policy, and an unset --reselect and
-    --share-choice-from to the chat's for the model (after a resumed session's settings are applied, which fix
-    all three)."""
-    from rsqr_jax.cli.chat import default_recall_pages, recall_choice_defaults
+# The settings a preset resolves, by command-line dest (rsqr_jax.presets.SETTING_NAMES by name).
+PRESET_DESTS = {"policy": "policy", **{d: d for d in POLICY_FLAGS}, "recall_pages": "recall_pages",
+                "cold_capacity": "cold_capacity", "page_size": "page_size", "page_score": "page_score",
+                "recall_neighbors": "recall_neighbors", "placement": "placement", "reselect": "reselect",
+                "share_choice_from": "share_from", "score_dtype": "score_dtype"}
 
-    if getattr(args, "recall_pages", 0) is None:
-        args.recall_pages = default_recall_pages(args.policy)
-    reselect, share, score_dtype = recall_choice_defaults(embedded=getattr(args, "model", None) is None)
-    if getattr(args, "reselect", 0) is None:
-        args.reselect = reselect
-    if getattr(args, "share_choice_from", 0) is None:
-        args.share_choice_from = share
-    if getattr(args, "score_dtype", 0) is None:
-        args.score_dtype = score_dtype
+
+def apply_preset(args, model_config, model_path=None, *, extra: tuple[str, ...] = ()):
+    """Resolve the model's preset (or --preset) under the flags given (not None), write every resolved value back
+    into `args` and return the rsqr_jax.presets.Settings. extra: further dests resolved the same way (sampling
+    fields, prefill_chunk, max_new_tokens, cache_dtype). One-line UsageError for a bad preset or value."""
+    from rsqr_jax.models.loading import load_generation_defaults
+    from rsqr_jax.presets import PresetError, find_preset, load_preset
+
+    dests = {**PRESET_DESTS, **{d: d for d in extra}}
+    try:
+        name = getattr(args, "preset", None)
+        preset = load_preset(name) if name else find_preset(model_config)
+        given = {key: getattr(args, dest) for dest, key in dests.items() if getattr(args, dest, None) is not None}
+        model_sampling = load_generation_defaults(model_path) if any(d in SAMPLING_DESTS for d in extra) else None
+        settings = preset.resolve(model_sampling=model_sampling, **given)
+    except PresetError as e:
+        raise UsageError(str(e)) from None
+    flat = settings.flat()
+    for dest, key in dests.items():
+        value = flat[key]
+        if dest == "share_choice_from" and value is None:
+            value = SHARE_NONE
+        setattr(args, dest, value)
+    return settings
 
 
 def policy_from_args(args, **fields):
@@ -197,7 +217,6 @@ def policy_from_args(args, **fields):
 def cold_store_flags(args):
     """The ColdStore of --cold-capacity --page-size --page-score --recall-neighbors --placement; one-line
     errors."""
-    from rsqr_jax.cli.chat import SHARE_NONE
     from rsqr_jax.spec import ColdStore
 
     try:

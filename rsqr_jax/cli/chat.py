@@ -22,7 +22,8 @@ import numpy as np
 
 from rsqr_jax.conversation import ChatFeed, Pins, generate_reply
 from rsqr_jax.eval.runtime import ConfigError, write_json_atomic
-from rsqr_jax.spec import parse_choice_sources
+from rsqr_jax.cli.args import SHARE_NONE
+from rsqr_jax.presets import SAMPLING_FIELDS, generic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,33 +78,6 @@ DEMO = MemoryDemo(
 )
 
 DTYPES = ("float32", "bfloat16")
-SHARE_NONE = -1  # --share-choice-from none: every layer chooses its own pages
-
-# decode.py's recall tier under rsqr when --recall-pages is not given: on, because without it the demo's
-# closing question is lost with the window (README; docs/recall_tier.md). Other policies keep their
-# published behaviour (off).
-DEFAULT_RECALL_PAGES = 4
-# ...and, on the embedded model, pages chosen afresh every 4th decode step, by 9 of its 30 layers: layers 2-9 and
-# 14 choose, 10-13 attend layer 9's choice and 15-29 layer 14's, and layers 0-1 recall nothing (their own choice
-# is close to arbitrary; docs/recall_tier.md §3, §9, §12: 71/80 facts of the fact probe, 72/80 with layers 0-14 all
-# choosing; §13: 1.09x plain rsqr's time per token with a full 4096-token store, 1.26x at 64k). Choosing every 4th
-# step without sharing recalled 57/80 (§8). On another model (--model) every layer chooses at every step (the
-# library's defaults): the layers are the embedded model's.
-DEFAULT_RESELECT = 4
-DEFAULT_SHARE_FROM = parse_choice_sources("0-1:none,10-13:9,15-29:14")
-# And the int8 scoring copy: the same facts on the probe, a quarter of the copy's bytes (docs/recall_tier.md §10).
-DEFAULT_SCORE_DTYPE = "int8"
-
-
-def recall_choice_defaults(embedded: bool) -> tuple[int, int | tuple[int, ...] | None, str]:
-    """(reselect, share_from, score_dtype) decode.py uses when --reselect / --share-choice-from / --score-dtype
-    are not given."""
-    return (DEFAULT_RESELECT, DEFAULT_SHARE_FROM, DEFAULT_SCORE_DTYPE) if embedded else (1, None, "float32")
-
-
-def default_recall_pages(policy: str) -> int:
-    """Recall pages decode.py uses for `policy` when --recall-pages is not given."""
-    return DEFAULT_RECALL_PAGES if policy == "rsqr" else 0
 
 
 def token_char_spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
@@ -131,14 +105,11 @@ def fact_token_indices(tokenizer, ids: list[int], words: Iterable[str]) -> list[
 # ----------------------------------------------------------------------------------------------------
 # Checks and settings (before any model is loaded).
 
-# The sampling flags (by Sampling field) and the chat defaults used where neither a flag nor the model's own
-# generation config sets them: SmolLM2-class models loop and copy earlier replies when greedy. llama.cpp's
-# top-k / top-p / min-p with a low temperature for a 135M model, and the repeat penalty over the last 256
-# tokens (llama.cpp looks at 64) so that a reply does not reopen with the previous one's words (docs/chat.md).
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                   "frequency_penalty")
-CHAT_SAMPLING = {"temperature": 0.3, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repeat_penalty": 1.1,
-                 "repeat_last_n": 256, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# The sampling values of the generic preset (rsqr_jax/presets/generic.json): chat defaults for small models, used
+# where neither a flag nor the model's own generation config sets a value. SmolLM2-class models loop and copy
+# earlier replies when greedy: llama.cpp's top-k / top-p / min-p with a low temperature, and the repeat penalty
+# over the last 256 tokens (llama.cpp looks at 64) so that a reply does not reopen with the previous one's words.
+CHAT_SAMPLING = dict(generic().sampling)
 
 
 def flag(field: str) -> str:
@@ -160,24 +131,19 @@ def check_sampling(values: dict, name: Callable[[str], str] = flag) -> None:
 
 
 def resolve_sampling(flags: dict, model_defaults: dict | None = None) -> dict:
-    """Each sampling value: the flag if given (not None), else the model's generation default, else CHAT_SAMPLING."""
-    model_defaults = model_defaults or {}
-    out = {}
-    for k in SAMPLING_FIELDS:
-        v = flags.get(k)
-        out[k] = v if v is not None else model_defaults.get(k, CHAT_SAMPLING[k])
-    out["top_k"], out["repeat_last_n"] = int(out["top_k"]), int(out["repeat_last_n"])
-    return out
+    """Each sampling value: the flag if given (not None), else the model's generation default, else the generic
+    preset's (rsqr_jax.presets.Preset.resolve)."""
+    return generic().resolve(model_sampling=model_defaults, **{k: flags.get(k) for k in SAMPLING_FIELDS}).sampling
 
 
-def check_generation(*, max_new_tokens: int, seed: int | None, prefill_chunk: int, **sampling) -> None:
+def check_generation(*, max_new_tokens: int, seed: int | None, prefill_chunk: int | None, **sampling) -> None:
     """One-line ConfigError for generation settings a Session would refuse later (or silently misuse)."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be positive, got {max_new_tokens}")
     check_sampling(sampling)
     if seed is not None and not 0 <= seed < 2**32:
         raise ConfigError(f"--seed must be in [0, 2**32), got {seed}")
-    if prefill_chunk < 1:
+    if prefill_chunk is not None and prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk must be positive, got {prefill_chunk}")
 
 
@@ -238,15 +204,7 @@ def cache_dtype(dtype: str, cache_dtype: str | None, weights_dtype: str, *, dtyp
     check_dtype("--weights-dtype", weights_dtype, DTYPES + ("auto",))
     if dtype_given and cache_dtype not in (None, dtype):
         raise ConfigError(f"--dtype {dtype} and --cache-dtype {cache_dtype} disagree (give one)")
-    return cache_dtype or dtype
-
-
-def resolve_weights_dtype(weights_dtype: str, cache_dtype: str, platform: str) -> str:
-    """`auto`: float32 on CPU (XLA:CPU runs bfloat16 matmuls 4-5x slower than float32), the cache dtype on
-    accelerators (bfloat16 weights halve the memory traffic there)."""
-    if weights_dtype != "auto":
-        return weights_dtype
-    return "float32" if platform == "cpu" else cache_dtype
+    return cache_dtype or (dtype if dtype_given else None)  # None: the preset's
 
 
 def check_save_path(path: str) -> None:

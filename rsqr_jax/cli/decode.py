@@ -28,13 +28,15 @@ import os
 import sys
 import time
 
-from rsqr_jax.cli.args import (Parser, UsageError, add_model_args, add_policy_args, check_cache_fits, check_model_args,
-                     check_share_layer, cold_store_args, policy_from_args, resolve_recall_default, run_main, status)
+from rsqr_jax.api import FIRST_TURN_ROOM
+
+from rsqr_jax.cli.args import (SAMPLING_DESTS, Parser, UsageError, add_model_args, add_policy_args, apply_preset,
+                               check_cache_fits, check_model_args, check_share_layer, cold_store_args, policy_from_args,
+                               run_main, status)
 
 DEMO_MAX_NEW_TOKENS = 128
 
 
-FIRST_TURN_ROOM = 1024  # pinned slots --pin-first-turn reserves unless --pin-room says otherwise
 
 
 def build_parser() -> Parser:
@@ -60,7 +62,8 @@ def build_parser() -> Parser:
                    help="end a reply where TEXT appears (repeatable; the text is cut before it)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"tokens per reply at most (default 256; the demo {DEMO_MAX_NEW_TOKENS})")
-    s = p.add_argument_group("sampling (default: the model's generation config, else the value shown)")
+    s = p.add_argument_group("sampling (default: the model's generation config, else its preset's; shown: the "
+                             "generic preset's)")
     s.add_argument("--temperature", type=float, default=None,
                    help=f"0 = greedy (default {CHAT_SAMPLING['temperature']})")
     s.add_argument("--top-k", type=int, default=None, help=f"keep the k most likely tokens, 0 = off "
@@ -90,8 +93,12 @@ def build_parser() -> Parser:
     o.add_argument("--max-len", type=int, default=0,
                    help="--prompts-jsonl with --policy full: positions each stream's cache holds (0: what "
                         "the longest request needs, at most the model's context)")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
-    add_policy_args(p, default_policy="rsqr", recall_by_default=True)
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step (default: the "
+                   "preset's, 64; at most the window)")
+    p.add_argument("--preset", default=None, metavar="NAME|FILE",
+                   help="the defaults' preset: a shipped one by name or a .json file (default: the model's own, else "
+                   "generic; rsqr_jax/presets)")
+    add_policy_args(p, default_policy="rsqr", preset=True)
     add_model_args(p)  # its --dtype is the KV cache dtype here (kept for compatibility)
     p.add_argument("--cache-dtype", default=None,
                    help="KV cache dtype, float32 (default) or bfloat16; --dtype is the same setting")
@@ -102,9 +109,7 @@ def build_parser() -> Parser:
 
 
 def sampling_flags(args) -> dict:
-    from rsqr_jax.cli.chat import SAMPLING_FIELDS
-
-    return {k: getattr(args, k) for k in SAMPLING_FIELDS}
+    return {k: getattr(args, k) for k in SAMPLING_DESTS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,32 +150,34 @@ def main(argv: list[str] | None = None) -> int:
         except SessionFileError as e:
             raise UsageError(str(e)) from None
         vars(args).update(chat.apply_resume(vars(args), header, given))
-    resolve_recall_default(args)
     prompt = chat.read_prompt(args.prompt, args.prompt_file)
+    turns = chat.plan_turns(prompt, args.chat, resumed=header is not None)
+    demo = chat.DEMO if turns is chat.DEMO.turns else None
+    if args.max_new_tokens is None and demo:
+        args.max_new_tokens = DEMO_MAX_NEW_TOKENS
+
+    import jax
+
+    from rsqr_jax.api import Model, resolve_weights_dtype
+    from rsqr_jax.models.llama import LoadedModel, load_model
+    from rsqr_jax.models.loading import default_model_path, load_config
+    from rsqr_jax.session import Session, SessionFileError, check_identity
+    from rsqr_jax.spec import CacheSpec
+
+    # Checks that need only the model's config (fast), before the tokenizer and weights are loaded.
+    model_path = args.model if args.model is not None else default_model_path()
+    cfg = load_config(model_path)
+    settings = apply_preset(args, cfg, model_path, extra=(*SAMPLING_DESTS, "prefill_chunk", "max_new_tokens",
+                                                          "cache_dtype"))
+    args.dtype = args.cache_dtype
     policy = policy_from_args(args)
     pins = conversation.Pins(args.keep, args.pin_system, args.pin_first_turn)
     if (pins or args.pin_room) and args.policy in ("full", "window"):
         raise UsageError(f"--policy {args.policy} keeps no pinned tokens (full keeps everything, window only the "
                          f"last W): pin under a policy with sinks")
-    turns = chat.plan_turns(prompt, args.chat, resumed=header is not None)
-    demo = chat.DEMO if turns is chat.DEMO.turns else None
-    if args.max_new_tokens is None:
-        args.max_new_tokens = DEMO_MAX_NEW_TOKENS if demo else 256
-
-    import jax
-
-    from rsqr_jax.models.llama import LoadedModel, load_model, split_apply
-    from rsqr_jax.models.loading import default_model_path, load_config, load_generation_defaults
-    from rsqr_jax.sampling import Sampling
-    from rsqr_jax.session import Session, SessionFileError, check_identity
-    from rsqr_jax.spec import CacheSpec
-
-    weights_dtype = chat.resolve_weights_dtype(args.weights_dtype, args.cache_dtype, jax.default_backend())
-    # Checks that need only the model's config (fast), before the tokenizer and weights are loaded.
-    model_path = args.model if args.model is not None else default_model_path()
-    cfg = load_config(model_path)
+    weights_dtype = resolve_weights_dtype(args.weights_dtype, args.cache_dtype, jax.default_backend())
     check_share_layer(args, cfg)
-    chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
+    chunk = settings.chunk
     sizes = dict(dims=cfg, dtype=args.cache_dtype, max_chunk=chunk, **cold_store_args(args))
     if header is not None:
         try:  # the identity the loaded model will have (checked again by Session.load)
@@ -183,18 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     status(f"loading {os.path.basename(model_path)} ...")
     t_load = time.perf_counter()
     loaded = load_model(args.model, weights_dtype, weight_format=args.weight_format)
-    apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
+    model = Model(loaded, None, args.kernel)
     tok, cfg = loaded.tokenizer, loaded.config
     dtypes = weights_dtype if weights_dtype == args.cache_dtype else f"{weights_dtype} weights, {args.cache_dtype} cache"
     status(f"model {loaded.path} ({cfg.arch}, {cfg.num_layers} layers, {dtypes}) loaded in "
-           f"{time.perf_counter() - t_load:.1f}s; policy {policy.name}")
+           f"{time.perf_counter() - t_load:.1f}s; preset {settings.preset}; policy {policy.name}")
 
     if header is None:
         is_chat = not args.raw and conversation.has_chat_template(tok)
         if args.system is not None and not is_chat:
             raise UsageError(f"--system needs a chat template, and {os.path.basename(model_path)} has none")
         system = args.system if args.system is not None else (chat.DEMO.system if demo else None)
-        values = chat.resolve_sampling(sampling_flags(args), load_generation_defaults(model_path))
+        values = settings.sampling
         seed = chat.draw_seed() if args.seed is None else args.seed
         if pins and not is_chat and (pins.system or pins.first_turn):
             raise UsageError(f"--pin-system and --pin-first-turn need a chat template, and "
@@ -203,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             room = args.pin_room if args.pin_room is not None else pins.room(tok, system, FIRST_TURN_ROOM)
         except ValueError as e:
             raise UsageError(f"--pin-system: {e}") from None
-        spec = CacheSpec.for_policies(policy, **sizes, pins=room,
-                                      max_len=chat.full_max_len(tok, turns, args.max_new_tokens, system))
+        max_len = chat.full_max_len(tok, turns, args.max_new_tokens, system)
+        spec = CacheSpec.for_policies(policy, **sizes, pins=room, max_len=max_len)
         check_cache_fits(spec.bytes_by_part(policy)["total"])
-        session = Session(apply_fn, params, spec, policy, prefill_chunk=chunk, sampling=Sampling(**values),
-                          seed=seed, eos_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
+        session = model.session(settings=settings, seed=seed, pins=room, max_len=max_len)
+        assert session.spec == spec
     else:
+        apply_fn, params = loaded.split(args.kernel)
         try:
             session = Session.load(args.resume, apply_fn, params, loaded.identity, policy=policy)
         except SessionFileError as e:
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
            f"at {result.tokens_per_s:.1f} tok/s (prefill {result.prefill_s:.2f}s); replies ended by: {stops or 'none'}")
     extra = dict(cache_bytes=spec.bytes_by_part(policy), policy=args.policy, policy_name=policy.name,
                  dtype=args.cache_dtype, model=loaded.path, weights_dtype=weights_dtype, cache_dtype=args.cache_dtype,
-                 seed=seed, sampling=values, chat=is_chat)
+                 seed=seed, sampling=values, chat=is_chat, preset=settings.preset)
     if args.out is not None:
         result.write(args.out, **extra)
     if args.json:
@@ -258,43 +266,45 @@ def main_jsonl(args) -> int:
         raise UsageError(f"--max-len must be >= 0, got {args.max_len}")
     if args.stop:
         raise UsageError("--stop is for --prompt and chat turns, not --prompts-jsonl")
-    max_new = 256 if args.max_new_tokens is None else args.max_new_tokens
-    lines = chat.read_prompts_jsonl(args.prompts_jsonl, max_new_tokens=max_new, chat=not args.raw)
-    resolve_recall_default(args)
-    policy = policy_from_args(args)
+    from rsqr_jax.models.loading import default_model_path, load_config
+
+    model_path = args.model if args.model is not None else default_model_path()
+    settings = apply_preset(args, load_config(model_path), model_path,
+                            extra=(*SAMPLING_DESTS, "prefill_chunk", "max_new_tokens", "cache_dtype"))
+    lines = chat.read_prompts_jsonl(args.prompts_jsonl, max_new_tokens=args.max_new_tokens, chat=not args.raw)
 
     import jax
 
-    from rsqr_jax.models.llama import load_model, split_apply
-    from rsqr_jax.models.loading import default_model_path, load_generation_defaults
-    from rsqr_jax.sampling import Sampling
+    from rsqr_jax.api import resolve_weights_dtype, sampling_of
+    from rsqr_jax.models.llama import load_model
     from rsqr_jax.spec import CacheSpec
     from rsqr_jax.streams import StreamScheduler
 
-    weights_dtype = chat.resolve_weights_dtype(args.weights_dtype, args.cache_dtype, jax.default_backend())
+    args.dtype = args.cache_dtype
+    policy = policy_from_args(args)
+    weights_dtype = resolve_weights_dtype(args.weights_dtype, args.cache_dtype, jax.default_backend())
     t_load = time.perf_counter()
     loaded = load_model(args.model, weights_dtype, weight_format=args.weight_format)
-    apply_fn, params = split_apply(loaded.model, kernel=args.kernel)
+    apply_fn, params = loaded.split(args.kernel)
     tok, cfg = loaded.tokenizer, loaded.config
     check_share_layer(args, cfg)
-    status(f"model {loaded.path} loaded in {time.perf_counter() - t_load:.1f}s; policy {policy.name}; "
-           f"{len(lines)} prompts")
+    status(f"model {loaded.path} loaded in {time.perf_counter() - t_load:.1f}s; preset {settings.preset}; policy "
+           f"{policy.name}; {len(lines)} prompts")
     if not conversation.has_chat_template(tok):  # plain completion for every line on a model without a template
         import dataclasses
 
         lines = [dataclasses.replace(pl, chat=False) for pl in lines]
-    values = chat.resolve_sampling(sampling_flags(args),
-                                   load_generation_defaults(args.model if args.model else default_model_path()))
+    values = settings.sampling
     seed = chat.draw_seed() if args.seed is None else args.seed
     status(chat.describe_sampling(values, seed))
-    chunk = min(args.prefill_chunk, args.window) if args.policy != "full" else args.prefill_chunk
+    chunk = settings.chunk
     max_len = chat.streams_max_len(tok, lines, args.max_len or cfg.max_position_embeddings)
     spec = CacheSpec.for_policies(policy, dims=cfg, dtype=args.cache_dtype, max_chunk=chunk, max_len=max_len,
                                   **cold_store_args(args))
     n_slots = min(args.streams, len(lines))
     check_cache_fits(n_slots * spec.bytes_by_part(policy)["total"])
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=n_slots, prefill_chunk=chunk,
-                            sampling=Sampling(**values), eos_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
+                            sampling=sampling_of(settings), eos_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size)
     sched.warmup()
     status(f"compiled the {n_slots}-stream prefill + generation block in {sched.compile_s:.1f}s")
 

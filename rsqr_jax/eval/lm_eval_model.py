@@ -26,20 +26,18 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from rsqr_jax.eval.harness import GenerateRequest, RequestEngine, SequentialEngine, StreamsEngine
-from rsqr_jax.policy_defaults import DEFAULTS
 from rsqr_jax.sampling import Sampling
-from rsqr_jax.spec import DEFAULT_PAGE_SCORE, DEFAULT_PLACEMENT
 
-# Model arguments and their defaults (the policy / recall / model flags of rsqr_jax/cli/args.py; the policy's are the
-# library's, rsqr_jax.policy_defaults).
+# The policy and recall arguments (the command lines' flags by name): None = the model's preset (rsqr_jax.presets),
+# resolved once the model is loaded, as rsqr_jax.load() and decode.py resolve theirs. share_from: -1 (every layer
+# chooses its pages), a layer, or one source per layer as LAYERS:SOURCE items separated by ';' (lm-eval's model
+# arguments are separated by ','), e.g. 0-1:none;10-13:9;15-29:14.
+PRESET_ARGS = {"policy": str, "window": int, "sinks": int, "delta": int, "max_survivors": int, "block": int,
+               "overflow": str, "recall_pages": int, "cold_capacity": int, "page_size": int, "page_score": str,
+               "recall_neighbors": int, "placement": str, "reselect": int, "share_from": int, "score_dtype": str}
+# Model arguments and their defaults: the preset's above, then the model and the scoring protocol's own.
 MODEL_ARGS = {
-    "policy": "rsqr", "window": DEFAULTS["window"], "sinks": DEFAULTS["n_sink"], "delta": DEFAULTS["delta"],
-    "max_survivors": DEFAULTS["max_survivors"], "block": DEFAULTS["block"], "overflow": DEFAULTS["overflow"],
-    "recall_pages": DEFAULTS["recall_pages"], "cold_capacity": 4096, "page_size": 16, "page_score": DEFAULT_PAGE_SCORE, "recall_neighbors": 0,
-    # share_from: -1 (every layer chooses its pages), a layer, or one source per layer as LAYERS:SOURCE items
-    # separated by ';' (lm-eval's model arguments are separated by ','), e.g. 0-1:none;10-13:9;15-29:14
-    "placement": DEFAULT_PLACEMENT, "reselect": 1, "share_from": -1,
-    "score_dtype": "float32",
+    **dict.fromkeys(PRESET_ARGS),
     "model": None, "dtype": "float32", "kernel": "auto", "weight_format": "auto",
     "chunk": 32, "max_length": 2048, "gen_block": 16, "max_gen_toks": 256, "seed": 0,
 }
@@ -87,8 +85,10 @@ def check_model_args(args: dict) -> dict:
                 out[k] = v
             continue
         default = MODEL_ARGS[k]
+        if k in PRESET_ARGS and v is not None:
+            default = 0 if PRESET_ARGS[k] is int else ""
         if k == "share_from" and (isinstance(v, tuple) or isinstance(v, str) and ":" in v):  # one source per layer
-            from rsqr_jax.spec import parse_choice_sources
+            from rsqr_jax.presets import parse_choice_sources
 
             try:
                 out[k] = v if isinstance(v, tuple) else parse_choice_sources(v, sep=";")
@@ -132,23 +132,6 @@ class RsqrLM(TemplateLM):
         SmolLM2) is loaded."""
         a = check_model_args(simple_parse_args_string(args) if isinstance(args, str) else args)
         slots = batch_slots(a.get("batch_size"))
-        from rsqr_jax.policy import make_policy
-
-        policy = make_policy(a["policy"], window=a["window"], n_sink=a["sinks"], delta=a["delta"],
-                             max_survivors=a["max_survivors"], block=a["block"], overflow=a["overflow"],
-                             recall_pages=a["recall_pages"])
-        cold = {}
-        if a["recall_pages"]:
-            from rsqr_jax.spec import ColdStore
-
-            try:
-                store = ColdStore(a["cold_capacity"], a["page_size"], a["page_score"], a["recall_neighbors"],
-                                  placement=a["placement"], reselect=a["reselect"],
-                                  share_from=None if a["share_from"] == -1 else a["share_from"],
-                                  score_dtype=a["score_dtype"])
-            except ValueError as e:
-                raise ConfigError(f"recall model arguments: {e}") from None
-            cold = {"cold": store, "max_recall_pages": a["recall_pages"]}
         for k in ("chunk", "gen_block", "max_gen_toks"):
             if a[k] < 1:
                 raise ConfigError(f"model argument {k} must be >= 1, got {a[k]}")
@@ -161,6 +144,16 @@ class RsqrLM(TemplateLM):
             apply_fn, params = split_apply(loaded.model, kernel=a["kernel"])
             pieces = (apply_fn, params, loaded.config, loaded.tokenizer)
         apply_fn, params, cfg, tokenizer = pieces
+        from rsqr_jax.api import cold_store_of, policy_of
+        from rsqr_jax.presets import find_preset
+
+        try:
+            settings = find_preset(cfg).resolve(**{k: a[k] for k in PRESET_ARGS if a[k] is not None})
+            policy, store = policy_of(settings), cold_store_of(settings)
+        except ValueError as e:  # PresetError, PolicyError, a ColdStore's ValueError
+            raise ConfigError(f"policy and recall model arguments: {e}") from None
+        a.update({k: settings.flat()[k] for k in PRESET_ARGS})
+        cold = {} if store is None else {"cold": store, "max_recall_pages": settings.recall_pages}
         kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dims=cfg,
                   max_length=a["max_length"], chunk=a["chunk"], dtype=a["dtype"], cold_store=cold,
                   gen_block=a["gen_block"], eos_ids=cfg.eos_token_ids, seed=a["seed"])

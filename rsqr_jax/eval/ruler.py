@@ -31,9 +31,11 @@ import time
 
 import numpy as np
 
-from rsqr_jax.policy_defaults import DEFAULTS
 from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.eval.stats import wilson
+from rsqr_jax.presets import policy_defaults
+
+DEFAULTS = policy_defaults()
 
 # RULER tasks whose samples are generated from nothing but a tokenizer (and the `wonderwords` word lists).
 OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_fwe", "ruler_cwe")
@@ -118,19 +120,18 @@ class RulerSpec:
         common = {"chunk": self.chunk, "max_length": self.seq_len + 256, "seed": self.seed, "sinks": self.sinks}
         if policy == "full":
             return {**common, "policy": "full"}
-        a = {**common, "policy": "rsqr" if policy.startswith("rsqr") else policy, "window": self.window}
+        # Every recall setting explicit: the model's preset fills in only what a model argument leaves out.
+        a = {**common, "policy": "rsqr" if policy.startswith("rsqr") else policy, "window": self.window,
+             "recall_pages": 0}
         if policy == "rsqr+recall":
-            a.update(recall_pages=self.recall_pages, page_size=self.page_size, cold_capacity=self.cold_capacity)
+            a.update(recall_pages=self.recall_pages, page_size=self.page_size, cold_capacity=self.cold_capacity,
+                     reselect=self.reselect, score_dtype=self.score_dtype, share_from=-1)
             if isinstance(self.share_from, tuple):
-                from rsqr_jax.spec import format_choice_sources
+                from rsqr_jax.presets import format_choice_sources
 
                 a["share_from"] = format_choice_sources(self.share_from, sep=";")
             elif self.share_from is not None:
                 a["share_from"] = self.share_from
-            if self.reselect != 1:
-                a["reselect"] = self.reselect
-            if self.score_dtype != "float32":
-                a["score_dtype"] = self.score_dtype
         return a
 
     def describe(self, policy: str) -> str:

@@ -210,9 +210,8 @@ WEIGHT_FORMATS = ("auto", "tiled", "blocks", "dense")
 class LoadedModel:
     """A model ready to stream: its config, the NNX module, the tokenizer (lazy) and where it came from.
 
-    `session(policy)` and `chat(policy)` are the one-call entry points: the cache spec comes from the policy
-    and the config, the prefill chunk and the spec's max_chunk are one value, the end-of-sequence ids and
-    the vocabulary are the model's.
+    Sessions and chats on it come from the front door, rsqr_jax.load() (rsqr_jax.api.Model), which adds the
+    model's preset.
     """
 
     config: ModelConfig
@@ -229,33 +228,6 @@ class LoadedModel:
         if kernel not in self._split:
             self._split[kernel] = split_apply(self.model, kernel=kernel)
         return self._split[kernel]
-
-    def session(self, policy, *, chunk: int | None = None, cache_dtype: str | None = None,
-                max_len: int | None = None, cold=None, kernel: str = "xla", **kwargs):
-        """A rsqr_jax.session.Session on this model under `policy` (`Session.create`).
-
-        cache_dtype: the cache's storage dtype (default the weights'). max_len: the positions a `full`
-        policy's cache holds (default the model's context). cold: a rsqr_jax.spec.ColdStore for recall.
-        kwargs: the Session's (sampling, seed, gen_block, ...); eos_ids and vocab_size default to the model's.
-        """
-        from rsqr_jax.session import Session
-
-        cfg = self.config
-        kwargs.setdefault("eos_ids", cfg.eos_token_ids)
-        kwargs.setdefault("vocab_size", cfg.vocab_size)
-        apply_fn, params = self.split(kernel)
-        return Session.create(apply_fn, params, policy, dims=cfg, chunk=chunk,
-                              dtype=self.dtype if cache_dtype is None else cache_dtype,
-                              max_len=cfg.max_position_embeddings if max_len is None else max_len, cold=cold, **kwargs)
-
-    def chat(self, policy, *, system: str | None = None, max_new_tokens: int = 256, stop: tuple[str, ...] = (),
-             **session_kwargs):
-        """A rsqr_jax.conversation.Chat on a new `session(policy, **session_kwargs)`: `send(text)` replies
-        through the tokenizer's chat template, `complete(text)` continues plain text."""
-        from rsqr_jax.conversation import Chat
-
-        return Chat(self.session(policy, **session_kwargs), self.tokenizer, system=system,
-                    max_new_tokens=max_new_tokens, stop=stop)
 
     @property
     def tokenizer(self):
