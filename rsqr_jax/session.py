@@ -14,7 +14,6 @@ SessionFileError with a one-line message: a file is never loaded wrongly.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Callable, Iterable
@@ -273,7 +272,6 @@ class Session:
             "policy": self.policy.host(),
             "prefill_chunk": self.prefill_chunk, "sampling": self.sampling.to_json(),
             "max_candidates": self.decoder.max_candidates,
-            "temperature": self.temperature, "top_p": self.top_p,  # also in "sampling"; for older readers
             "seed": self.seed, "eos_ids": sorted(self.eos_ids), "vocab_size": self.vocab_size,
             "pending": self.pending, "n_tokens": self.n_tokens, "cold_slots_saved": cold_used,
         }
@@ -285,9 +283,8 @@ class Session:
         """Resume a saved session on the model (apply_fn, params) named by `identity`.
 
         The cache, counters, policy, sampler state (rng key included), pending token and `extra` come
-        back exactly (the sampling settings and the ring of recent token ids too; a file written before
-        they were saved holds only temperature and top_p, and resumes with an empty ring), so continuing
-        gives the same tokens as a run that was never interrupted. `spec`
+        back exactly (the sampling settings and the ring of recent token ids too), so continuing gives the
+        same tokens as a run that was never interrupted. A file of another format version is refused. `spec`
         / `policy`, if given, must equal the saved ones. Raises SessionFileError (one line) otherwise.
         """
         header, arrays = read_session_file(path)
@@ -308,46 +305,29 @@ class Session:
             raise SessionFileError(f"{name} has policy {saved_policy.name}, expected {policy.name}")
         expected = jax.eval_shape(lambda: init_cache(saved_spec))
         cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}
-        scale = arrays.pop("cache.cold_k_scale", None)  # a file from when the int8 copy kept its scales apart
-        if scale is not None and scale.size:
-            codes = arrays.get("cache.cold_k_glob")
-            if (codes is None or codes.dtype != np.int8 or scale.dtype != np.float32 or codes.shape[:-1] != scale.shape
-                    or codes.shape[-1] % 4):
-                raise SessionFileError(f"{name} holds an invalid int8 scoring copy")
-            words = np.ascontiguousarray(codes).reshape(codes.shape[:-1] + (-1, 4)).view(np.int32)[..., 0]
-            arrays["cache.cold_k_glob"] = np.concatenate([words, scale.view(np.int32)[..., None]], axis=-1)
-        sums = arrays.get("cache.cold_sum")  # a file from when every rule's store kept its pages' sums
-        if sums is not None and sums.ndim == 5 and sums.shape[4] and not expected.cold_sum.shape[4]:
-            arrays["cache.cold_sum"] = sums[..., :0]
-        saved = header.get("cold_slots_saved")  # absent: a file from before the cold store was cut
-        if saved is not None and saved != saved_spec.cold_slots:
+        saved = header.get("cold_slots_saved")
+        if saved != saved_spec.cold_slots:  # the store's never-written tail was not saved
             page = saved_spec.cold.page_size if saved_spec.cold else 1
             if not (isinstance(saved, int) and 0 <= saved < saved_spec.cold_slots and saved % page == 0):
                 raise SessionFileError(f"{name} holds an invalid cold store length {saved!r}")
             grown = grow_cold_store({k[len("cache."):]: v for k, v in arrays.items() if k in cache_names}, saved_spec)
             arrays.update({f"cache.{k}": v for k, v in grown.items()})
-        for f in dataclasses.fields(KVCache):  # a file from before an unused (empty) field existed still loads
-            e = getattr(expected, f.name)
-            if f"cache.{f.name}" not in arrays and not math.prod(e.shape):
-                arrays[f"cache.{f.name}"] = np.zeros(e.shape, e.dtype)
-        recent = arrays.pop("recent", None)  # absent: a file from before the ring was saved (empty ring)
-        if set(arrays) != cache_names | {"rng"}:
-            raise SessionFileError(f"{name} holds arrays {sorted(arrays)}, expected {sorted(cache_names | {'rng'})}")
+        recent = arrays.pop("recent", None)
+        if set(arrays) != cache_names | {"rng"} or recent is None:
+            raise SessionFileError(f"{name} holds arrays {sorted(arrays) + (['recent'] if recent is not None else [])}, "
+                                   f"expected {sorted(cache_names | {'rng', 'recent'})}")
         for f in dataclasses.fields(KVCache):
             a, e = arrays[f"cache.{f.name}"], getattr(expected, f.name)
             if a.shape != e.shape or a.dtype != e.dtype:
                 raise SessionFileError(f"{name}: array {f.name} is {a.dtype}{list(a.shape)} but its spec needs "
                                        f"{e.dtype}{list(e.shape)}")
         try:
-            if "sampling" in header:
-                sampling = Sampling.from_json(header["sampling"])
-            else:
-                sampling = Sampling(temperature=float(header["temperature"]), top_p=float(header["top_p"]))
+            sampling = Sampling.from_json(header["sampling"])
             session = cls(apply_fn, params, saved_spec, saved_policy, prefill_chunk=int(header["prefill_chunk"]),
                           sampling=sampling, seed=int(header["seed"]), eos_ids=[int(e) for e in header["eos_ids"]],
                           vocab_size=header["vocab_size"],
-                          max_candidates=header.get("max_candidates", DEFAULT_MAX_CANDIDATES))
-            if recent is not None and (recent.shape != session.recent.shape or recent.dtype != session.recent.dtype):
+                          max_candidates=header["max_candidates"])
+            if recent.shape != session.recent.shape or recent.dtype != session.recent.dtype:
                 raise ValueError(f"recent-token ring {recent.dtype}{list(recent.shape)}")
             pending = header["pending"]
             if pending is not None and (not isinstance(pending, int) or isinstance(pending, bool)):
@@ -362,8 +342,7 @@ class Session:
             raise SessionFileError(f"{name} holds an invalid session: {_one_line(e)}") from None
         session.cache = KVCache(**{f.name: jnp.asarray(arrays[f"cache.{f.name}"]) for f in dataclasses.fields(KVCache)})
         session.rng = jnp.asarray(rng)
-        if recent is not None:
-            session.recent = jnp.asarray(recent)
+        session.recent = jnp.asarray(recent)
         session.pending = pending
         session.extra = header["extra"]
         return session

@@ -4,12 +4,11 @@ The archive holds:
 
 * ``header``: UTF-8 JSON: format name and version, the caller's model identity, the CacheSpec, the
   policy values, the sampler settings (``sampling``: rsqr_jax.sampling.Sampling.to_json(), with
-  ``max_candidates`` and ``seed``; ``temperature`` and ``top_p`` repeated at the top level, the only
-  sampler settings of older files), eos ids, the pending token, the
+  ``max_candidates`` and ``seed``), eos ids, the pending token, the
   caller's ``extra`` dict (e.g. a chat transcript), the name/dtype/shape of every array, and a
   SHA-256 checksum over the header (without the checksum) and every array's name, dtype, shape, bytes;
 * one entry per array (every KVCache field, the rng key, and ``recent``: the ring of the last
-  repeat_last_n token ids fed, absent from older files), stored as its raw bytes (so bfloat16
+  repeat_last_n token ids fed), stored as its raw bytes (so bfloat16
   and any other dtype round-trip exactly).
 
 Writes are atomic: a temporary file in the target directory, fsync, then os.replace, so a crash
@@ -36,7 +35,7 @@ import numpy as np
 from rsqr_jax.policy import Policy
 
 FORMAT = "rsqr_jax.session"
-FORMAT_VERSION = 2  # 2: window fields renamed ring_* -> win_*, stored rotations *_stored_rot
+FORMAT_VERSION = 3  # one current format: a file of another version is refused with one line
 
 
 class SessionFileError(ValueError):
@@ -159,11 +158,11 @@ def read_session_file(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarr
     return header, arrays
 
 
-_INT, _NUM = (int,), (int, float)
+_INT = (int,)
 _HEADER_FIELDS = {"identity": (dict,), "extra": (dict,), "spec": (dict,), "policy": (dict,), "prefill_chunk": _INT,
-                  "temperature": _NUM, "top_p": _NUM, "seed": _INT, "eos_ids": (list,),
-                  "vocab_size": _INT + (type(None),), "pending": _INT + (type(None),), "n_tokens": _INT}
-_OPTIONAL_FIELDS = {"sampling": (dict,), "max_candidates": _INT}  # absent from older files
+                  "sampling": (dict,), "max_candidates": _INT, "seed": _INT, "eos_ids": (list,),
+                  "vocab_size": _INT + (type(None),), "pending": _INT + (type(None),), "n_tokens": _INT,
+                  "cold_slots_saved": _INT}
 
 
 def _check_header_fields(name: str, header: dict) -> None:
@@ -173,10 +172,6 @@ def _check_header_fields(name: str, header: dict) -> None:
     for key, types in _HEADER_FIELDS.items():
         v = header.get(key)
         if key not in header or not isinstance(v, types) or isinstance(v, bool):
-            raise SessionFileError(f"{name} has a malformed header: field {key!r} = {v!r}")
-    for key, types in _OPTIONAL_FIELDS.items():
-        v = header.get(key)
-        if key in header and (not isinstance(v, types) or isinstance(v, bool)):
             raise SessionFileError(f"{name} has a malformed header: field {key!r} = {v!r}")
     pol = header["policy"]
     if (not all(isinstance(pol.get(f.name), int) for f in dataclasses.fields(Policy))

@@ -324,15 +324,9 @@ class CacheSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> "CacheSpec":
-        """The spec of a session file; a file from before the cold store was one value holds its settings flat
-        (cold_capacity 0 = none; no page rule recorded = "mean", the rule then)."""
+        """The spec a session file holds (its cold store nested, or None)."""
         d = dict(d)
-        if "cold" in d:
-            d["cold"] = ColdStore.from_json(d["cold"])
-        else:
-            flat = {k: d.pop(k, None) for k in ("cold_capacity", "page_size", "page_score", "recall_neighbors")}
-            d["cold"] = ColdStore(flat["cold_capacity"], flat["page_size"] or 16, flat["page_score"] or "mean",
-                                  flat["recall_neighbors"] or 0) if flat["cold_capacity"] else None
+        d["cold"] = ColdStore.from_json(d.get("cold"))
         return cls(**d)
 
     @property

@@ -14,7 +14,7 @@ import pytest
 
 from rsqr_jax import engine
 from rsqr_jax.sampling import Sampling, SamplingError, penalize, probabilities, push_recent, sample
-from rsqr_jax.session import Session
+from rsqr_jax.session import Session, SessionFileError
 from rsqr_jax.session_file import read_session_file, write_session_file
 from rsqr_jax.streams import Request, StreamScheduler
 from tests.tiny_session import CFG, IDENTITY, POLICIES, SPEC, make_session, model
@@ -230,7 +230,7 @@ def test_scheduler_per_request_sampling_equals_lone_sessions():
         sched.check(Request((1, 2), 3, sampling=Sampling(repeat_last_n=65)))
 
 
-def test_sampled_penalised_session_resumes_identically_and_old_files_load(tmp_path):
+def test_sampled_penalised_session_resumes_identically_and_a_file_without_its_sampler_is_refused(tmp_path):
     hot = Sampling(temperature=6.0, top_k=25, repeat_penalty=1.5, presence_penalty=0.3)
     prompt = np.random.default_rng(13).integers(0, CFG.vocab_size, size=11)
     ref = make_session("rsqr", sampling=hot, seed=21)
@@ -244,14 +244,15 @@ def test_sampled_penalised_session_resumes_identically_and_old_files_load(tmp_pa
     r = Session.load(tmp_path / "a.session", apply_fn, params, IDENTITY)
     assert r.sampling == hot and np.array_equal(np.asarray(r.recent), np.asarray(s.recent))
     assert got + r.generate(10) == want
-    # a file of the older format: temperature / top_p only, no ring
+    # a file without the sampler's settings or its ring (as an older format wrote) is refused, one line
     header, arrays = read_session_file(tmp_path / "a.session")
     for k in ("sampling", "max_candidates", "arrays", "checksum"):
         header.pop(k)
     arrays.pop("recent")
     write_session_file(tmp_path / "old.session", header, arrays)
-    old = Session.load(tmp_path / "old.session", apply_fn, params, IDENTITY)
-    assert old.sampling == Sampling(temperature=6.0) and (np.asarray(old.recent) == -1).all()
+    with pytest.raises(SessionFileError, match="old.session has a malformed header: field 'sampling'") as e:
+        Session.load(tmp_path / "old.session", apply_fn, params, IDENTITY)
+    assert "\n" not in str(e.value)
 
 
 def test_legacy_temperature_top_p_keywords():

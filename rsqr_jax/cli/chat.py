@@ -262,12 +262,8 @@ _POLICY_FIELDS = {"window": "window", "sinks": "n_sink", "delta": "delta", "max_
 
 
 def saved_sampling(header: dict) -> dict:
-    """The sampling values of a session header (files from before the full sampler hold temperature/top_p)."""
-    if isinstance(header.get("sampling"), dict):
-        return {k: header["sampling"][k] for k in SAMPLING_FIELDS if k in header["sampling"]}
-    off = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 0, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0}
-    return {"temperature": header["temperature"], "top_p": header["top_p"], **off}
+    """The sampling values of a session header."""
+    return {k: header["sampling"][k] for k in SAMPLING_FIELDS if k in header["sampling"]}
 
 
 def saved_settings(header: dict) -> dict:
