@@ -15,7 +15,7 @@ from rsqr_jax.cli.args import Parser, add_model_args, check_model_args, load_mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rsqr_jax.studies import memory as M
+    from rsqr_lab.studies import memory as M
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", default=",".join(M.ARMS), help="comma-separated: " + ", ".join(M.ARMS))

@@ -131,7 +131,7 @@ def test_memory_demo_facts_leave_the_device_cache_and_plain_rsqr_loses_them(smol
     seeds: 0 of 40). What recall gets back is measured, not asserted: 5 of 40 against full attention's 2 of 40
     (docs/chat.md) -- a rate this small cannot be pinned by a CI-sized sample without pinning seeds."""
     from rsqr_jax.models.llama import load_model, split_apply
-    from rsqr_jax.studies import memory as M
+    from rsqr_lab.studies import memory as M
 
     loaded = load_model(smollm2_path)
     apply_fn, params = split_apply(loaded.model)
