@@ -277,7 +277,7 @@ def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch):
     that holds the older absolute name, finds the same file; another file refuses."""
     from rsqr_jax import data
 
-    repo = Path(er.__file__).resolve().parents[2]
+    repo = REPO
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.chdir(repo)

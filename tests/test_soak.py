@@ -121,7 +121,7 @@ def test_separate_steps_score_like_the_vmapped_one(model, text):
 
 
 def _script(*args: str):
-    env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's packages, not the editable install's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "lab")]))  # this checkout's packages
     return [sys.executable, str(REPO / "scripts" / "exp_soak.py"), *args], dict(cwd=REPO, env=env, text=True)
 
 

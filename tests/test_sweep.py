@@ -173,8 +173,9 @@ def test_summarize_curve():
 # scripts/exp_sweep.py: bad input -> one line on stderr, exit code 2; the real model end to end (slow).
 
 
-# The scripts import this checkout's packages (not whichever checkout the editable install points at).
-SCRIPT_ENV = dict(os.environ, PYTHONPATH=ROOT)
+# The scripts import this checkout's packages, rsqr_jax and lab/'s rsqr_lab (not whichever checkout the editable
+# install points at).
+SCRIPT_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "lab")]))
 
 
 def _cli(*args, timeout=600):
