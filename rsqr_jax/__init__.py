@@ -9,8 +9,9 @@ the whole engine.
 Layout by kind (docs/design.md, "Layout"): this package's modules are the core; `kernels` the fused
 attention (lowest layer); `models` the Flax decoders and loaders; `eval` reusable evaluation (streaming
 perplexity, statistics, the request harness, the lm-eval model); `cli` the command-line applications and
-their plumbing; `studies` the experiments and benchmarks; `devtools` the GPU checks; `testing` tiny models
-and float64 oracles.
+their plumbing. The experiments and benchmarks (`studies`), the GPU checks (`devtools`) and the test support
+(`testing`: float64 oracles, kernel inputs) live in the repository's lab/ folder, a project of their own,
+not in this package.
 """
 
 from __future__ import annotations

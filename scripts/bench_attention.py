@@ -4,7 +4,7 @@
 plain (the floor), rsqr with S/N = 1/8 and 1/2 (the jnp reference and the lean XLA path), streamingllm
 (cos/sin table, and through the contract). Prints tables and writes JSON ({"meta", "rows", "table_md"};
 one row per (batch, N) with ms / cpu_ms / ratio / ratio_cpu per path). The logic and the path
-descriptions are rsqr_jax.studies.kernel_timing.
+descriptions are rsqr_lab.studies.kernel_timing.
 
     python scripts/bench_attention.py                 # default run (~minutes on 2 cores)
     python scripts/bench_attention.py --quick         # tiny sanity run
@@ -20,7 +20,7 @@ import time
 
 from rsqr_jax.cli.args import Parser, run_main
 
-from rsqr_jax.studies import kernel_timing as X
+from rsqr_lab.studies import kernel_timing as X
 
 
 def build_parser() -> Parser:

@@ -19,7 +19,7 @@ from rsqr_jax.cli.args import (Parser, add_model_args, add_policy_args, check_mo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rsqr_jax.studies import chat_timing as B
+    from rsqr_lab.studies import chat_timing as B
 
     d = B.BenchChatConfig()
     p = Parser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]))

@@ -2,7 +2,7 @@
 """Decode speed: our jitted Session against HF transformers (torch eager, float32, same weights), one run.
 
 Both sides prefill a prompt that leaves C tokens cached, then decode --new greedy tokens, timed; compile
-time is reported apart (rsqr_jax.studies.decode_timing). HF's model holds our very arrays.
+time is reported apart (rsqr_lab.studies.decode_timing). HF's model holds our very arrays.
 
     python scripts/bench_decode.py                          # full, C = 128 1024 2048, 50 new tokens
     python scripts/bench_decode.py --policy rsqr --delta 8 --max-survivors 64
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         # thread either side starts, so both really run on one core.
         args.threads = 1
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    from rsqr_jax.studies import decode_timing as B
+    from rsqr_lab.studies import decode_timing as B
     from rsqr_jax.eval.runtime import ConfigError, status
 
     config = B.BenchConfig(text=args.text, cached=tuple(args.cached), new=args.new, repeats=args.repeats,

@@ -18,7 +18,7 @@ from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model
 
 def main(argv: list[str] | None = None) -> int:
     from rsqr_jax.spec import ColdStore
-    from rsqr_jax.studies import recall_timing as B
+    from rsqr_lab.studies import recall_timing as B
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--text", default=str(DEFAULT_TEXT))

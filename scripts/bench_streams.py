@@ -8,7 +8,7 @@
                                                                  # prefill-first vs interleaved, longest stall
 
 Prints a table (the ratio of each row to 1 stream); writes DIR/bench_streams.json and bench_streams.md
-(--out DIR, '' = nothing); --json prints the JSON on stdout. The loop: rsqr_jax/studies/streams_timing.py.
+(--out DIR, '' = nothing); --json prints the JSON on stdout. The loop: lab/rsqr_lab/studies/streams_timing.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_model_args(args)
-    from rsqr_jax.studies import streams_timing as B
+    from rsqr_lab.studies import streams_timing as B
 
     config = B.BenchStreamsConfig(text=args.text, streams=tuple(args.streams), prompt_len=args.prompt_len,
                                   new=args.new, repeats=args.repeats, prefill_chunk=args.prefill_chunk,

@@ -4,7 +4,7 @@
 Both arms stream the same tokens through the same engine (the vmapped arm via rsqr_jax.sweep.sweep_nll,
 the sequential arm one policy at a time with the same union CacheSpec, so it compiles once too), each in
 its own subprocess (this script with --arm), so its peak RSS is its own; compilation is excluded. Prints
-a table and writes DIR/bench_sweep.json (--out DIR). The logic is rsqr_jax.studies.sweep_timing.
+a table and writes DIR/bench_sweep.json (--out DIR). The logic is rsqr_lab.studies.sweep_timing.
 
     python scripts/bench_sweep.py                  # SmolLM2-135M, 256 tokens of Frankenstein (~minutes)
     python scripts/bench_sweep.py --tokens 512
@@ -20,7 +20,7 @@ import sys
 
 from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, run_main
 
-from rsqr_jax.studies import sweep_timing as X
+from rsqr_lab.studies import sweep_timing as X
 
 
 def build_parser() -> Parser:
@@ -42,7 +42,7 @@ def build_parser() -> Parser:
 
 def run_child(config: X.BenchSweepConfig, arm: str) -> None:
     """Load the model in this process and run one arm; print its result as one JSON line."""
-    from rsqr_jax.studies.policy_sweep import load_tokens, quick_model
+    from rsqr_lab.studies.policy_sweep import load_tokens, quick_model
 
     if config.quick:
         apply_fn, params, model_config, name = quick_model(config.dtype)

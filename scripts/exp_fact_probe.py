@@ -13,7 +13,7 @@ from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, check_model
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rsqr_jax.studies import fact_probe as F
+    from rsqr_lab.studies import fact_probe as F
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text (default: Frankenstein)")

@@ -2,7 +2,7 @@
 """Per-token decode latency against stream position for every policy (real SmolLM2, this CPU).
 
 The stream is jumped to each probe position by a positions-only bookkeeping loop, then a Session's
-one-token step is timed; rotations per token are counted analytically (rsqr_jax.studies.latency).
+one-token step is timed; rotations per token are counted analytically (rsqr_lab.studies.latency).
 
     python scripts/exp_latency.py                  # default: 1k..50k, all policies (< 30 min)
     python scripts/exp_latency.py --quick          # up to ~2k, short windows (< 2 min)
@@ -19,7 +19,7 @@ import os
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, add_recall_args, check_model_args,
                                cold_store_from_args, load_model_from_args, policy_from_args, run_main)
 
-from rsqr_jax.studies import latency as L
+from rsqr_lab.studies import latency as L
 from rsqr_jax.eval.runtime import status
 
 

@@ -15,7 +15,7 @@ from rsqr_jax.cli.args import Parser, add_model_args, check_model_args, load_mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rsqr_jax.studies import memory as M
+    from rsqr_lab.studies import memory as M
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", default=",".join(M.ARMS), help="comma-separated: " + ", ".join(M.ARMS))
@@ -35,12 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     check_model_args(args)
     sampling = (("temperature", args.temperature),) if args.temperature is not None else ()
     history = M.read_history(args.history) if args.history else ()
+    from rsqr_jax.models.loading import load_config
+    from rsqr_jax.presets import find_preset
+
+    recall = find_preset(load_config(args.model)).resolve().recall  # the recall arm: the model's preset
     M.check_history(history)  # before the model loads
     cfg = M.MemoryConfig(arms=tuple(a for a in args.arms.split(",") if a), seeds=2 if args.quick else args.seeds,
                          first_seed=args.first_seed, max_new_tokens=48 if args.quick else args.max_new_tokens,
                          sampling=sampling, history=history,
-                         **dict(zip(("reselect", "share_from", "score_dtype"),
-                                    M.chat.recall_choice_defaults(embedded=args.model is None))))
+                         **{k: recall[k] for k in ("reselect", "share_from", "score_dtype")})
     loaded, apply_fn, params = load_model_from_args(args)
     result = M.run(cfg, apply_fn, params, loaded.config, loaded.tokenizer)
     if args.out:

@@ -15,8 +15,8 @@ from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_
 
 def main(argv: list[str] | None = None) -> int:
     from rsqr_jax.eval.runtime import write_json_atomic
-    from rsqr_jax.studies import page_choice as PC
-    from rsqr_jax.studies.recall_probe import RecallModel, parse_int_list
+    from rsqr_lab.studies import page_choice as PC
+    from rsqr_lab.studies.recall_probe import RecallModel, parse_int_list
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--filler", default=str(DEFAULT_TEXT), help="filler text (default: Frankenstein)")

@@ -10,7 +10,7 @@ Runs (rank/global policies streamed token by token, chunk 1; each dtype's batch 
   * full, float32, chunk 256 (chunked prefill is exact for full);
   * float32 batch: window (0+W), streamingllm (N+W), rsqr delta=0, rsqr, rerotate block 1;
   * bfloat16 batch: rsqr, rerotate block 1.
-The float32 oracle is rsqr float32 with the same parameters (rsqr_jax.studies.policy_table).
+The float32 oracle is rsqr float32 with the same parameters (rsqr_lab.studies.policy_table).
 Writes OUT/exp_policies.json (summary, checks, timings) + OUT/exp_policies.md (tables) + OUT/nll_*.npy;
 prints the tables (or, with --json, the JSON object).
 """
@@ -53,7 +53,7 @@ def load(dtype: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rsqr_jax.studies import policy_table as policies
+    from rsqr_lab.studies import policy_table as policies
 
     args = build_parser().parse_args(argv)
     if args.rescore:

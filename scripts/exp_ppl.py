@@ -9,7 +9,7 @@
 Default grid: float32 W=256 4096 tokens, float32 W=1024 3072, bfloat16 W=256 2048 and W=1024 1536
 (--cell-tokens); bfloat16 cells run streamingllm, rerotate (block 1 and 8), rsqr, rsqr_precompute.
 Per (W, dtype) cell the token-by-token policies stream in ONE vmapped call; full runs once per dtype with
-chunked prefill; replay runs alone (rsqr_jax.studies.ppl). SIGTERM/Ctrl-C keeps the finished pieces
+chunked prefill; replay runs alone (rsqr_lab.studies.ppl). SIGTERM/Ctrl-C keeps the finished pieces
 (exit code 3). Writes OUT/exp_ppl.json, OUT/exp_ppl.md, nll_*.npy and a PNG of the per-1k-token curves;
 prints the tables (or, with --json, the JSON object).
 """
@@ -24,7 +24,7 @@ from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, UsageError, add_policy_args
 
 
 def build_parser() -> Parser:
-    from rsqr_jax.studies.ppl import ALL, BF16_DEFAULT, DEFAULT, DEFAULT_CELL_TOKENS
+    from rsqr_lab.studies.ppl import ALL, BF16_DEFAULT, DEFAULT, DEFAULT_CELL_TOKENS
 
     cell_default = ",".join(f"{w}/{d}={n}" for (w, d), n in DEFAULT_CELL_TOKENS.items())
     p = Parser(description=__doc__.splitlines()[0])
@@ -86,7 +86,7 @@ def _cell_tokens(s: str | None) -> dict | None:
 
 
 def config_from_args(args):
-    from rsqr_jax.studies.ppl import PplConfig
+    from rsqr_lab.studies.ppl import PplConfig
 
     from rsqr_jax.spec import ColdStore
 
@@ -111,7 +111,7 @@ def load(dtype: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rsqr_jax.studies import ppl
+    from rsqr_lab.studies import ppl
     from rsqr_jax.eval.runtime import sigterm_interrupts
 
     args = build_parser().parse_args(argv)

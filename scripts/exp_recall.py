@@ -6,7 +6,7 @@
     python scripts/exp_recall.py --trials 100 --batch 50 --out runs/exp_recall_100   # docs/recall.md tables 1-3
     python scripts/exp_recall.py ... --resume       # continue a killed run (it keeps every finished arm; exit 3)
 
-The protocol is described in rsqr_jax/studies/recall_probe.py (and written to recall.json under "protocol").
+The protocol is described in lab/rsqr_lab/studies/recall_probe.py (and written to recall.json under "protocol").
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, add_model_args, add_policy_args, add_recall_args, check_model_args,
                      cold_store_flags, model_label, policy_from_args, run_main)
 
-from rsqr_jax.studies import recall_probe as recall
+from rsqr_lab.studies import recall_probe as recall
 
 
 def build_parser() -> Parser:

@@ -7,7 +7,7 @@
     python scripts/exp_reproduce.py --parts p2 --p2-arms C_rsqr_two_scale --resume --out runs/repro_p2  # add an arm
 
 The published model (Qwen2.5-0.5B-Instruct) is not available offline: the runs use SmolLM2-135M-Instruct.
-The protocol is described in rsqr_jax/studies/reproduce.py; results go to OUT/reproduce.json and
+The protocol is described in lab/rsqr_lab/studies/reproduce.py; results go to OUT/reproduce.json and
 OUT/reproduce.md.
 """
 
@@ -17,7 +17,7 @@ import json
 
 from rsqr_jax.cli.args import DEFAULT_TEXT, Parser, UsageError, add_model_args, check_model_args, run_main
 
-from rsqr_jax.studies import reproduce as R
+from rsqr_lab.studies import reproduce as R
 
 
 def build_parser() -> Parser:
@@ -79,7 +79,7 @@ def config_from_args(args) -> R.ReproConfig:
 def load(args) -> R.ReproModel:
     from rsqr_jax.models.llama import load_model, split_apply
     from rsqr_jax.models.loading import load_tokenizer
-    from rsqr_jax.studies.reproduce_arms import explicit_attend
+    from rsqr_lab.studies.reproduce_arms import explicit_attend
 
     if args.quick:  # a tiny random model over the real tokenizer's vocabulary: exercises every path in seconds
         import dataclasses
@@ -87,7 +87,7 @@ def load(args) -> R.ReproModel:
         import jax.numpy as jnp
 
         from rsqr_jax.models.llama import Llama
-        from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+        from rsqr_jax.models.tiny import tiny_config, tiny_weights
 
         tok = load_tokenizer(args.model)
         cfg = dataclasses.replace(tiny_config(), vocab_size=len(tok))

@@ -4,7 +4,7 @@
 Policies (default): rsqr (W=512, N=4, delta=8, S_max=64) and streamingllm (N=4, W=512), one token per
 step, Frankenstein cycled as the stream, every token scored. The KV cache is bfloat16 (--cache-dtype);
 the weights are float32 (--dtype): XLA:CPU runs bfloat16 matmuls ~9x slower than float32, which would
-put 100k steps out of reach. Criteria and verdict: rsqr_jax.studies.soak.
+put 100k steps out of reach. Criteria and verdict: rsqr_lab.studies.soak.
 
     python scripts/exp_soak.py --tokens 100000            # the full soak (79 min on 2 shared cores)
     python scripts/exp_soak.py --tokens 20000 --out runs/soak_20k
@@ -22,7 +22,7 @@ import os
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, UsageError, add_model_args, add_policy_args, check_model_args,
                                load_model_from_args, policy_from_args, run_main)
 
-from rsqr_jax.studies import soak as S
+from rsqr_lab.studies import soak as S
 from rsqr_jax.eval.runtime import status
 
 
@@ -71,7 +71,7 @@ def load(args):
         loaded, apply_fn, params = load_model_from_args(args)
         return apply_fn, params, loaded.config, loaded.tokenizer
     from rsqr_jax.models.loading import load_tokenizer
-    from rsqr_jax.testing.tiny import tiny_config, tiny_model
+    from rsqr_jax.models.tiny import tiny_config, tiny_model
 
     cfg = tiny_config(**S.TINY_MODEL)
     return (*tiny_model(cfg, seed=0), cfg, load_tokenizer(None))

@@ -14,7 +14,7 @@
 Grid: whitespace-separated key=v1,v2 terms (cartesian product; identical policies kept once). Keys:
 mode, window, sinks, delta, max_survivors, block, overflow. Writes to --out: sweep.csv, sweep.json
 (rows with the per-bucket curve), sweep.md (table sorted by --sort), sweep_ppl.png, nll.npy [P, T-1].
-The logic is rsqr_jax.studies.policy_sweep.
+The logic is rsqr_lab.studies.policy_sweep.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 from rsqr_jax.cli.args import (DEFAULT_TEXT, Parser, UsageError, add_model_args, add_recall_args, check_model_args,
                      cold_store_flags, run_main)
 
-from rsqr_jax.studies import policy_sweep as X
+from rsqr_lab.studies import policy_sweep as X
 
 
 def build_parser() -> Parser:

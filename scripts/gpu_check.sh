@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the fused kernel in three phases, each its own process, timeout and JSON file
-# (rsqr_jax/devtools/gpu_check.py): gate <= 90 s, correctness <= 120 s, timing <= 180 s.
+# (lab/rsqr_lab/devtools/gpu_check.py): gate <= 90 s, correctness <= 120 s, timing <= 180 s.
 #     bash scripts/gpu_check.sh                  # on the GPU machine; results in $OUT (default runs/gpu_check)
 #     bash scripts/gpu_check.sh --cpu-dry-run    # tiny sizes, interpret=True, CPU (a test runs this)
 # Files in $OUT: gate.json, correctness.json, timing.json (rewritten after every row), gpu_check.log,
@@ -22,14 +22,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >>"$LOG" 2>&1 && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # the checkout and its lab/
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}"
 if [ ${#DRY[@]} -gt 0 ]; then export JAX_PLATFORMS=cpu; else export JAX_PLATFORMS=cuda; fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/nvidia_smi.csv" 2>&1 || true
 
 phase() {  # phase NAME TIMEOUT_S
   local t0=$SECONDS rc
-  timeout -k 5 "$2" "$PY" -m rsqr_jax.devtools.gpu_check --phase "$1" --out "$OUT" "${DRY[@]}" 2>&1 | tee -a "$LOG"
+  timeout -k 5 "$2" "$PY" -m rsqr_lab.devtools.gpu_check --phase "$1" --out "$OUT" "${DRY[@]}" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   echo "gpu_check: phase $1 exit status $rc ($((SECONDS - t0)) s of $2)" | tee -a "$LOG"
   return "$rc"

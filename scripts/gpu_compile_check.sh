@@ -5,8 +5,8 @@
 # so another checkout checks its own kernel with `cd WT && bash /path/to/scripts/gpu_compile_check.sh`.
 #  1. builds (once; a stamp file names the pins) a Python 3.12 venv with the device's jax/jaxlib 0.11.2
 #     and pip Triton 3.6.0 (its ptxas compiles for sm_90a; no CUDA plugin, no torch, no project install:
-#     the checked root goes on PYTHONPATH) at $RSQR_H200_VENV (default: .venv-h200 in this repo);
-#  2. runs rsqr_jax/devtools/compile_report.py: registers / spills / shared memory per configuration,
+#     the checked root and its lab/ go on PYTHONPATH) at $RSQR_H200_VENV (default: .venv-h200 in this repo);
+#  2. runs lab/rsqr_lab/devtools/compile_report.py: registers / spills / shared memory per configuration,
 #     a table + $OUT_DIR/compile_report.json (default DIR/runs/gpu_compile); exit 1 on spills in DEFAULT;
 #  3. runs the export test of tests/test_survivor_attention.py under that jax (it runs under the CPU
 #     venv's jax in the test suite), unless RSQR_H200_EXPORT_TEST=0.
@@ -52,10 +52,12 @@ fi
 
 OUT_DIR="${OUT_DIR:-$ROOT/runs/gpu_compile}"
 cd "$ROOT"
-export PYTHONPATH="$ROOT" JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
+LAB="$ROOT/lab"  # rsqr_lab: the report and the kernel test's inputs (this repo's lab/ if ROOT has none)
+[ -d "$LAB/rsqr_lab" ] || LAB="$TOOL/lab"
+export PYTHONPATH="$ROOT:$LAB" JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 t0=$SECONDS
 # ROOT on PYTHONPATH: the report and the kernel it compiles are ROOT's
-timeout -k 10 900 "$VENV/bin/python" -m rsqr_jax.devtools.compile_report --out "$OUT_DIR" "$@"
+timeout -k 10 900 "$VENV/bin/python" -m rsqr_lab.devtools.compile_report --out "$OUT_DIR" "$@"
 rc_report=$?
 echo "gpu_compile_check: report exit status $rc_report ($((SECONDS - t0)) s, $OUT_DIR/compile_report.json)" >&2
 case " $* " in *" --list "*) exit "$rc_report" ;; esac

@@ -12,8 +12,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Subprocesses import this checkout's packages (an editable install may point at another one).
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+# Subprocesses import this checkout's packages, rsqr_jax and lab/'s rsqr_lab (an editable install may point at
+# another checkout).
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "lab"),
+                                                                 os.environ.get("PYTHONPATH")]))}
 
 
 def xla_env() -> dict:

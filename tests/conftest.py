@@ -148,7 +148,7 @@ def smollm2_hf_model(smollm2_path):
     torch = pytest.importorskip("torch")
     from filelock import FileLock
 
-    from rsqr_jax.testing.hf_reference import hf_gguf_model
+    from rsqr_lab.testing.hf_reference import hf_gguf_model
 
     saved = os.path.join(os.environ["RSQR_TEST_RUN_DIR"], "smollm2_hf.pt")
     with FileLock(saved + ".lock"):

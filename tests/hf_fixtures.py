@@ -1,7 +1,7 @@
 """Tiny random Hugging Face reference models (no hub) and transformers' own GGUF loading, for parity tests.
 
 Everything here is torch-side reference material: `rsqr_jax/models/` never imports it. transformers' own GGUF
-loading (used by the experiments too) is `rsqr_jax.testing.hf_reference.hf_gguf_model`.
+loading (used by the experiments too) is `rsqr_lab.testing.hf_reference.hf_gguf_model`.
 """
 
 from __future__ import annotations

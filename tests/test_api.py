@@ -19,8 +19,8 @@ from rsqr_jax import conversation
 from rsqr_jax.cli import chat as cli_chat
 from rsqr_jax.api import Model
 from rsqr_jax.models.llama import Llama, LoadedModel
+from rsqr_jax.models.tiny import tiny_config, tiny_weights
 from rsqr_jax.presets import generic
-from rsqr_jax.testing.tiny import tiny_config, tiny_weights
 
 CFG = tiny_config()
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)

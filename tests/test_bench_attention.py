@@ -1,4 +1,4 @@
-"""rsqr_jax.studies.kernel_timing in-process: the --quick run's layout and its ratios, and the timed
+"""rsqr_lab.studies.kernel_timing in-process: the --quick run's layout and its ratios, and the timed
 paths computing what they claim (stream == stream through the contract, ref == xla == the float64 oracle).
 Inputs are seeded (config.seed = 0; make_cases below: seed 1)."""
 
@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from rsqr_jax.studies import kernel_timing as X
+from rsqr_lab.studies import kernel_timing as X
 from rsqr_jax.eval.runtime import ConfigError
-from rsqr_jax.testing.kernel import oracle_f64, rel_err, rope_inv_freq
+from rsqr_lab.testing.kernel import oracle_f64, rel_err, rope_inv_freq
 
 
 def test_quick_run_rows_ratios_and_json(tmp_path):

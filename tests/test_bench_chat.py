@@ -9,7 +9,7 @@ import math
 import pytest
 
 from rsqr_jax.policy import rsqr
-from rsqr_jax.studies import chat_timing as B
+from rsqr_lab.studies import chat_timing as B
 from rsqr_jax.eval.runtime import ConfigError
 from tests.tiny_session import CFG, model
 

@@ -13,7 +13,7 @@ import pytest
 import rsqr_jax as rj
 from rsqr_jax.models import blocks as BW
 from rsqr_jax.models.llama import forward_logits, load_model, read_model
-from rsqr_jax.testing.tiny import drawn_seed
+from rsqr_lab.testing import drawn_seed
 from tests.cli import assert_one_line_errors
 from tests.hf_fixtures import TinySpec, build_hf_model, write_tiny_gguf
 

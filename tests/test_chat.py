@@ -480,7 +480,7 @@ def test_memory_measurement_streams_equal_lone_sessions_and_track_the_facts():
     mentions are found (first turn) and, before the question, out of rsqr's device cache; a recorded history
     replays the same conversation with only the answer generated."""
     from rsqr_jax.policy import make_policy
-    from rsqr_jax.studies import memory as M
+    from rsqr_lab.studies import memory as M
     from rsqr_jax.sampling import Sampling
     from rsqr_jax.spec import CacheSpec
 

@@ -131,7 +131,7 @@ def test_memory_demo_facts_leave_the_device_cache_and_plain_rsqr_loses_them(smol
     seeds: 0 of 40). What recall gets back is measured, not asserted: 5 of 40 against full attention's 2 of 40
     (docs/chat.md) -- a rate this small cannot be pinned by a CI-sized sample without pinning seeds."""
     from rsqr_jax.models.llama import load_model, split_apply
-    from rsqr_jax.studies import memory as M
+    from rsqr_lab.studies import memory as M
 
     loaded = load_model(smollm2_path)
     apply_fn, params = split_apply(loaded.model)
@@ -205,7 +205,7 @@ def test_recall_choice_defaults_are_the_models_preset_and_none_turns_sharing_off
     from rsqr_jax.cli.chat import saved_settings
     from rsqr_jax.cli.decode import build_parser
     from rsqr_jax.spec import CacheSpec, ColdStore
-    from rsqr_jax.testing.tiny import tiny_config
+    from rsqr_jax.models.tiny import tiny_config
 
     def cold(argv, config=smollm2_config):
         args = build_parser().parse_args(argv)

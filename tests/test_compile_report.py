@@ -1,4 +1,4 @@
-"""rsqr_jax.devtools.compile_report (the H200 compile check, scripts/gpu_compile_check.sh).
+"""rsqr_lab.devtools.compile_report (the H200 compile check, scripts/gpu_compile_check.sh).
 
 The report itself needs the Python 3.12 venv with jax 0.11.2 and pip Triton. CI (.ci/run) runs the check
 before the suite and points RSQR_COMPILE_REPORT at its JSON: the last test checks that report instead of
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rsqr_jax.devtools import compile_report as cr
+from rsqr_lab.devtools import compile_report as cr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,9 +67,10 @@ def _report() -> dict:
     venv = Path(os.environ.get("RSQR_H200_VENV", ROOT / ".venv-h200"))
     if not (venv / "bin" / "python").exists() or not list(venv.glob(".rsqr-h200-*")):
         pytest.skip("no H200 compile venv here (bash scripts/gpu_compile_check.sh builds it; CI runs it)")
-    res = subprocess.run([str(venv / "bin" / "python"), "-m", "rsqr_jax.devtools.compile_report",
+    res = subprocess.run([str(venv / "bin" / "python"), "-m", "rsqr_lab.devtools.compile_report",
                           "--only", "window_only_bf16", "--json"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}, timeout=300)
+                         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'lab'}", "JAX_PLATFORMS": "cpu"},
+                         timeout=300)
     assert res.returncode in (0, 1), res.stderr[-2000:]
     return json.loads(res.stdout)
 

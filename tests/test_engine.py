@@ -17,7 +17,7 @@ from rsqr_jax.engine import TRACES, Decoder, policy_values, stream_nll
 from rsqr_jax.sampling import Sampling, sample
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
-from rsqr_jax.testing.tiny import tiny_config, tiny_model
+from rsqr_jax.models.tiny import tiny_config, tiny_model
 from rsqr_jax.update import step
 
 CFG = tiny_config()

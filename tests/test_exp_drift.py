@@ -1,4 +1,4 @@
-"""Experiment 1 (drift): rsqr_jax.studies.drift in-process on the tiny random model (every property the
+"""Experiment 1 (drift): rsqr_lab.studies.drift in-process on the tiny random model (every property the
 experiment is about), the capture of q/k against the decoder, the rotation counts against the engine's own
 step plan, and one slow smoke run of `scripts/exp_drift.py --quick` on SmolLM2-135M with the same checks (in this
 process; the script runs as its own process on bad input).
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rsqr_jax import policy as P
-from rsqr_jax.studies import drift
+from rsqr_lab.studies import drift
 from rsqr_jax.eval.runtime import ConfigError
 from tests.cli import assert_one_line_error, run_in_process, run_script
 
@@ -133,7 +133,7 @@ def check_all(res):
 def tiny():
     from rsqr_jax.models.capture import capture_qk
     from rsqr_jax.models.llama import Llama, split_apply
-    from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+    from rsqr_jax.models.tiny import tiny_config, tiny_weights
 
     cfg = tiny_config()
     w = tiny_weights(cfg, SEED)
@@ -259,7 +259,7 @@ def _rotation_policy(mode, kw):
 @pytest.mark.parametrize("mode,kw", ROTATION_POLICIES)
 def test_rotation_counts_match_the_step_plan(mode, kw):
     """The token-set rotation counts equal what the engine's own plan does to the stored keys."""
-    from rsqr_jax.studies.drift_model import rotation_counts
+    from rsqr_lab.studies.drift_model import rotation_counts
 
     pol = _rotation_policy(mode, kw)
     T = 40

@@ -1,4 +1,4 @@
-"""The policy table (rsqr_jax.studies.policy_table): in process on the tiny model (seed tests/tiny_stream.SEED)
+"""The policy table (rsqr_lab.studies.policy_table): in process on the tiny model (seed tests/tiny_stream.SEED)
 — every run, the checks, rescore — and on crafted NLL; one slow smoke run of `scripts/exp_policies.py
 --quick --tokens 256 --no-hf --no-bf16` on SmolLM2-135M (~30 s on 2 cores, in this process): rsqr with delta=0 is streamingllm
 (docs/design.md §4, equivalence 1) and dropping the attention sinks hurts; the script as its own process on bad
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from rsqr_jax.policy import rsqr
-from rsqr_jax.studies import policy_table as policies
+from rsqr_lab.studies import policy_table as policies
 from rsqr_jax.eval.runtime import ConfigError
-from rsqr_jax.studies.policy_table import PoliciesConfig
+from rsqr_lab.studies.policy_table import PoliciesConfig
 from tests.cli import assert_one_line_error, run_in_process, run_script
 from rsqr_jax.eval.runtime import read_tokens
-from rsqr_jax.testing.oracle import reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import tiny_weights
+from rsqr_lab.testing.oracle import reference_token_sets, stream_logits_f64
+from rsqr_jax.models.tiny import tiny_weights
 from tests.tiny_stream import CFG, SEED, load, write_text
 
 KEYS = {"full/float32", "window/float32", "streamingllm/float32", "rsqr_delta0/float32", "rsqr/float32",

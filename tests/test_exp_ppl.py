@@ -1,4 +1,4 @@
-"""Streaming perplexity per bucket (rsqr_jax.studies.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
+"""Streaming perplexity per bucket (rsqr_lab.studies.ppl): in process on the tiny model (seed tests/tiny_stream.SEED)
 — JSON shape, per-bucket curves, plot, exact policies agreeing, interruption, rescore, merge; one slow smoke
 run of `scripts/exp_ppl.py --quick` on SmolLM2-135M (~50 s on 2 cores, in this process) for the sanity
 bounds; the script as its own process on bad input."""
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from rsqr_jax.policy import make_policy
-from rsqr_jax.studies import ppl
+from rsqr_lab.studies import ppl
 from rsqr_jax.eval import perplexity as streams
 from rsqr_jax.eval.runtime import ConfigError
-from rsqr_jax.studies.ppl import PplConfig
+from rsqr_lab.studies.ppl import PplConfig
 from tests.cli import assert_one_line_error, run_in_process, run_script
 from tests.tiny_stream import load, write_text
 

@@ -1,4 +1,4 @@
-"""rsqr_jax.studies.recall_probe: scoring helpers, facts files, the replay short-stream shortcut, the layout
+"""rsqr_lab.studies.recall_probe: scoring helpers, facts files, the replay short-stream shortcut, the layout
 diagnostics and the Decoder's greedy answers (tiny random model), a whole study in-process with its
 interruption and resume, the CLI error contract, and the --quick run with SIGTERM/--resume on SmolLM2 (slow)."""
 
@@ -19,13 +19,13 @@ import pytest
 from rsqr_jax import engine
 from rsqr_jax import policy as P
 from rsqr_jax.engine import Decoder
-from rsqr_jax.studies import recall_probe as er
+from rsqr_lab.studies import recall_probe as er
 from rsqr_jax.eval.runtime import ConfigError
 from rsqr_jax.eval.stats import wilson
 from rsqr_jax.spec import CacheSpec
-from rsqr_jax.testing.oracle import reference_token_sets
-from rsqr_jax.testing.tiny import tiny_config, tiny_model
-from rsqr_jax.testing.tokenizer import WordTokenizer
+from rsqr_lab.testing.oracle import reference_token_sets
+from rsqr_jax.models.tiny import tiny_config, tiny_model
+from rsqr_lab.testing.tokenizer import WordTokenizer
 from rsqr_jax.update import step
 from tests.cli import assert_one_line_errors, run_in_process
 
@@ -277,7 +277,7 @@ def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch):
     that holds the older absolute name, finds the same file; another file refuses."""
     from rsqr_jax import data
 
-    repo = Path(er.__file__).resolve().parents[2]
+    repo = REPO
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.chdir(repo)

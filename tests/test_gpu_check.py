@@ -56,6 +56,6 @@ def test_stops_at_once_without_a_gpu_and_bad_input(tmp_path):
 
     bad = _sh("--fast", out=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fast" in bad.stderr
-    proc = subprocess.run([sys.executable, "-m", "rsqr_jax.devtools.gpu_check", "--phase", "warmup", "--out",
+    proc = subprocess.run([sys.executable, "-m", "rsqr_lab.devtools.gpu_check", "--phase", "warmup", "--out",
                            str(tmp_path)], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
     assert_one_line_error(proc, "warmup")

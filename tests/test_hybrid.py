@@ -139,8 +139,8 @@ def test_hybrid_policy_against_oracle(gemma_dirs, loaded, name, policy):
     from rsqr_jax.cache import cached_positions
     from rsqr_jax.hybrid import local_positions
     from rsqr_jax.models.capture import weights_of
-    from rsqr_jax.testing.hybrid_oracle import gemma_stream_logits_f64
-    from rsqr_jax.testing.oracle import reference_token_sets
+    from rsqr_lab.testing.hybrid_oracle import gemma_stream_logits_f64
+    from rsqr_lab.testing.oracle import reference_token_sets
 
     spec, directory = gemma_dirs[name]
     T = 72

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rsqr_jax.attention import attend
-from rsqr_jax.testing.kernel import args_of, kernel_inputs, oracle_f64, rel_err
+from rsqr_lab.testing.kernel import args_of, kernel_inputs, oracle_f64, rel_err
 
 KERNELS = ["reference", "xla", "pallas"]
 

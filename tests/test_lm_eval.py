@@ -140,8 +140,8 @@ def test_recall_model_arguments_reach_the_cold_store():
     from rsqr_jax.eval.lm_eval_model import RsqrLM
     from rsqr_jax.eval.runtime import ConfigError
     from rsqr_jax.spec import ColdStore
-    from rsqr_jax.testing.tiny import tiny_config, tiny_model
-    from rsqr_jax.testing.tokenizer import WordTokenizer
+    from rsqr_jax.models.tiny import tiny_config, tiny_model
+    from rsqr_lab.testing.tokenizer import WordTokenizer
 
     cfg = tiny_config()
     pieces = (*tiny_model(cfg, 0), cfg, WordTokenizer(cfg.vocab_size))
@@ -175,7 +175,7 @@ def test_sequential_engine_scores_equal_stream_nll_on_a_tiny_model():
     from rsqr_jax.eval.harness import SequentialEngine
     from rsqr_jax.policy import make_policy
     from rsqr_jax.spec import CacheSpec
-    from rsqr_jax.testing.tiny import tiny_config, tiny_model
+    from rsqr_jax.models.tiny import tiny_config, tiny_model
 
     cfg = tiny_config()
     apply_fn, params = tiny_model(cfg, 0)

@@ -12,8 +12,8 @@ import rsqr_jax as rj
 from rsqr_jax import engine as E
 from rsqr_jax.eval.harness import GenerateRequest, SequentialEngine, StreamsEngine
 from rsqr_jax.policy import make_policy
-from rsqr_jax.testing.tiny import tiny_config, tiny_model
-from rsqr_jax.testing.tokenizer import ByteTokenizer
+from rsqr_jax.models.tiny import tiny_config, tiny_model
+from rsqr_lab.testing.tokenizer import ByteTokenizer
 from tests.cli import REPO
 
 SEED = 15

@@ -1,7 +1,8 @@
 """The package as a user installs it: a built wheel holds every module the commands, the lm-eval model and the
-public API import, under the one import name `rsqr_jax`; installed into a fresh virtual environment (offline,
-its dependencies reused from this one) it runs the README's library example and the `rsqr-decode` entry point
-from a directory outside the checkout."""
+public API import, under the one import name `rsqr_jax`, and nothing of lab/ (the studies, benchmarks, device
+tools and test support: rsqr_lab), nor matplotlib as a requirement; installed into a fresh virtual environment
+(offline, its dependencies reused from this one) it runs the README's library example and the `rsqr-decode` entry
+point from a directory outside the checkout."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 import site
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -37,7 +39,7 @@ def test_wheel_holds_every_module_under_one_import_name(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     (dist_info,) = [t for t in top if t.endswith(".dist-info")]
-    assert top == {"rsqr_jax", dist_info}, top  # no generic top-level names (models, pallas_kernels, ...)
+    assert top == {"rsqr_jax", dist_info}, top  # no generic top-level names (models, pallas_kernels, ...), no rsqr_lab
     in_wheel = {n for n in names if n.endswith(".py")}
     in_checkout = {p.relative_to(REPO).as_posix() for p in (REPO / "rsqr_jax").rglob("*.py")}
     assert in_checkout and in_checkout == in_wheel, sorted(in_checkout ^ in_wheel)
@@ -46,10 +48,42 @@ def test_wheel_holds_every_module_under_one_import_name(wheel):
     assert "rsqr_jax/kernels/block_matvec.cc" in names  # the CPU kernels' sources, compiled on first use
     assert "rsqr_jax/kernels/page_scores.cc" in names
     assert "rsqr_jax/kernels/recalled_attention.cc" in names
+    lab = [n for n in names if n.split("/")[1:2] in (["studies"], ["devtools"], ["testing"])]
+    assert not lab, lab  # the studies, benchmarks, device tools and test support are lab/'s
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     for command, target in [("rsqr-decode", "rsqr_jax.cli.decode:run"), ("rsqr-eval-stream", "rsqr_jax.cli.eval_stream:run"),
                             ("rsqr-eval-tasks", "rsqr_jax.cli.eval_tasks:run")]:
         assert re.search(rf"^{command} = {re.escape(target)}$", entry_points, re.M), entry_points
+
+
+def test_wheel_requires_no_plotting_library(wheel):
+    """matplotlib (the studies' plots, the RULER command's --plot) is the `plot` extra's, not a requirement."""
+    (meta,) = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA")]
+    requires = re.findall(r"^Requires-Dist: (.+)$", zipfile.ZipFile(wheel).read(meta).decode(), re.M)
+    plotting = [r for r in requires if r.lower().startswith("matplotlib")]
+    assert plotting and all("extra ==" in r for r in plotting), plotting
+    assert any(r.startswith("matplotlib") and 'extra == "plot"' in r for r in plotting), plotting
+
+
+def test_lab_is_its_own_project_and_the_library_never_imports_it():
+    """lab/ is the project rsqr_lab (the studies, benchmarks, device tools and test support), requiring rsqr_jax and
+    matplotlib; nothing under rsqr_jax/ imports it, even inside a function, nor names it."""
+    lab = tomllib.loads((REPO / "lab" / "pyproject.toml").read_text())
+    assert lab["project"]["name"] == "rsqr_lab"
+    assert {d.split(";")[0].strip() for d in lab["project"]["dependencies"]} >= {"rsqr_jax", "matplotlib"}
+    assert lab["tool"]["setuptools"]["packages"]["find"]["include"] == ["rsqr_lab", "rsqr_lab.*"]
+    for sub in ("studies", "devtools", "testing"):
+        assert (REPO / "lab" / "rsqr_lab" / sub / "__init__.py").is_file(), sub
+        assert not list((REPO / "rsqr_jax" / sub).rglob("*.py")), sub
+    root = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert root["tool"]["setuptools"]["packages"]["find"]["include"] == ["rsqr_jax", "rsqr_jax.*"]
+    assert not [d for d in root["project"]["dependencies"] if d.startswith("matplotlib")]
+    bad = []
+    for path, module in package_modules():
+        bad += [f"{module} imports {m}" for m in imported_names(path, module) if m.split(".")[0] == "rsqr_lab"]
+        if "rsqr_lab" in path.read_text():
+            bad.append(f"{path.relative_to(REPO)} names rsqr_lab")
+    assert not bad, bad
 
 
 def readme_library_example() -> str:
@@ -81,7 +115,8 @@ def test_wheel_in_a_fresh_environment_runs_the_readme_example_and_decode_outside
         return subprocess.run([str(c) for c in cmd], cwd=work, env=env, capture_output=True, text=True, timeout=900, **kw)
 
     probe = run(py, "-c", "import importlib.util as u, rsqr_jax; print(rsqr_jax.__file__); "
-                          "print([n for n in ('models', 'pallas_kernels', 'scripts', 'tests') if u.find_spec(n)])")
+                          "print([n for n in ('models', 'pallas_kernels', 'scripts', 'tests', 'rsqr_lab') "
+                          "if u.find_spec(n)])")
     assert probe.returncode == 0, probe.stderr
     location, stray = probe.stdout.splitlines()
     assert location.startswith(purelib) and stray == "[]", probe.stdout
@@ -107,10 +142,9 @@ LAYERS = {
     "kernels": {"host", "kernels"},
     "core": {"host", "kernels", "core"},
     "models": {"host", "kernels", "core", "models"},
-    "testing": {"host", "kernels", "core", "models", "testing"},
-    "eval": {"host", "kernels", "core", "models", "testing", "eval"},  # testing: the torch reference rows
+    "eval": {"host", "kernels", "core", "models", "eval"},
 }
-APPS = {"cli", "studies", "devtools"}  # may import any layer; nothing in a layer imports them
+APPS = {"cli"}  # may import any layer; nothing in a layer imports them (the studies and device tools are lab/'s)
 
 
 def kind_of(module: str) -> str:
@@ -120,8 +154,8 @@ def kind_of(module: str) -> str:
     return "core"  # rsqr_jax itself, rsqr_jax.<module>, rsqr_jax.data
 
 
-def imported_modules(path: Path, module: str) -> set[str]:
-    """Every rsqr_jax module a file imports, at any depth (lazy imports inside functions count)."""
+def imported_names(path: Path, module: str) -> set[str]:
+    """Every module a file imports, at any depth (lazy imports inside functions count)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -131,7 +165,12 @@ def imported_modules(path: Path, module: str) -> set[str]:
             if node.level:
                 base = ".".join(module.split(".")[:-node.level] + ([base] if base else []))
             out |= {base} | {f"{base}.{a.name}" for a in node.names}
-    return {m for m in out if m == "rsqr_jax" or m.startswith("rsqr_jax.")}
+    return out
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Every rsqr_jax module a file imports, at any depth (lazy imports inside functions count)."""
+    return {m for m in imported_names(path, module) if m == "rsqr_jax" or m.startswith("rsqr_jax.")}
 
 
 def package_modules():
@@ -158,7 +197,7 @@ def test_library_layers_import_downwards_only_and_never_a_study_or_a_command():
 
 def test_no_code_imports_a_generic_top_level_name():
     bad = []
-    for path in sorted(p for d in ("rsqr_jax", "scripts", "tests") for p in (REPO / d).rglob("*.py")):
+    for path in sorted(p for d in ("rsqr_jax", "lab", "scripts", "tests") for p in (REPO / d).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
@@ -167,9 +206,9 @@ def test_no_code_imports_a_generic_top_level_name():
     assert not bad, bad
 
 
-def test_module_names_are_unique_across_the_package_and_the_scripts():
+def test_module_names_are_unique_across_the_package_the_lab_and_the_scripts():
     seen: dict[str, list[str]] = {}
-    for path in sorted((REPO / "rsqr_jax").rglob("*.py")):
+    for path in sorted(p for d in ("rsqr_jax", "lab/rsqr_lab") for p in (REPO / d).rglob("*.py")):
         if path.name != "__init__.py":
             seen.setdefault(path.stem, []).append(path.relative_to(REPO).as_posix())
     for path in sorted((REPO / "scripts").glob("*.py")):

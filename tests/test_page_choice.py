@@ -1,4 +1,4 @@
-"""rsqr_jax.studies.page_choice: the fact page's rank in a layer's order, the claim the study rests on (a cache
+"""rsqr_lab.studies.page_choice: the fact page's rank in a layer's order, the claim the study rests on (a cache
 with room to rank every page attends what the K-page cache attends and keeps its choice first), and a whole
 run on a tiny random model."""
 
@@ -11,10 +11,11 @@ import pytest
 
 from rsqr_jax.engine import Decoder
 from rsqr_jax.spec import CacheSpec, ColdStore
-from rsqr_jax.studies import page_choice as PC
-from rsqr_jax.studies.recall_probe import RecallModel, feed_stream
-from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model
-from rsqr_jax.testing.tokenizer import WordTokenizer
+from rsqr_lab.studies import page_choice as PC
+from rsqr_lab.studies.recall_probe import RecallModel, feed_stream
+from rsqr_lab.testing import drawn_seed
+from rsqr_jax.models.tiny import tiny_config, tiny_model
+from rsqr_lab.testing.tokenizer import WordTokenizer
 from tests.cli import assert_one_line_errors
 
 CFG = tiny_config(layers=3)

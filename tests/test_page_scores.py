@@ -16,7 +16,7 @@ from rsqr_jax.cache import run_slots
 from rsqr_jax.kernels import page_scores as PS
 from rsqr_jax.recall import (Recall, ScoringCopy, _int8_kernel_applies, _int8_kernel_scores, live_page_scores,
                              pack_int8_keys, page_scores)
-from rsqr_jax.testing.tiny import drawn_seed
+from rsqr_lab.testing import drawn_seed
 from tests.cpu_kernels import build_for_march, recall_decode_logits
 
 if shutil.which("c++") is None:  # the kernel is built with the machine's C++ compiler
@@ -125,7 +125,7 @@ def test_decode_logits_are_those_of_the_xla_scores(monkeypatch):
     gives with the kernel turned off, bit for bit: the kernel moves no page choice. (The prompt, one chunk of 40 rows,
     is scored by XLA either way; recall changes the logits, so a different choice would show.)"""
     import rsqr_jax as rj
-    from rsqr_jax.testing.tiny import tiny_config, tiny_model
+    from rsqr_jax.models.tiny import tiny_config, tiny_model
 
     cfg = tiny_config(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=64)
     seed = drawn_seed("page_scores decode")

@@ -17,8 +17,9 @@ from rsqr_jax import conversation
 from rsqr_jax import policy as P
 from rsqr_jax.cache import PinError, cached_positions, init_cache, pin_span
 from rsqr_jax.session import Session
-from rsqr_jax.testing.oracle import reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import drawn_seed, tiny_weights
+from rsqr_lab.testing.oracle import reference_token_sets, stream_logits_f64
+from rsqr_lab.testing import drawn_seed
+from rsqr_jax.models.tiny import tiny_weights
 from tests.cli import assert_one_line_errors
 from tests.tiny_session import CFG, model
 

@@ -20,8 +20,9 @@ import rsqr_jax as rj
 from rsqr_jax import policy as P
 from rsqr_jax.policy import PolicyError
 from rsqr_jax.spec import validate
-from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model, tiny_weights
+from rsqr_lab.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
+from rsqr_lab.testing import drawn_seed
+from rsqr_jax.models.tiny import tiny_config, tiny_model, tiny_weights
 
 CFG = tiny_config()
 DIMS = dict(num_layers=CFG.num_layers, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim)

@@ -13,7 +13,7 @@ from rsqr_jax import policy as P
 from rsqr_jax.api import cold_store_of, policy_of, sampling_of
 from rsqr_jax.presets import (SETTING_NAMES, PresetError, find_preset, generic, load_preset, parse_choice_sources,
                               shipped_presets)
-from rsqr_jax.testing.tiny import tiny_config
+from rsqr_jax.models.tiny import tiny_config
 
 SMOL = "SmolLM2-135M-Instruct"
 

@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 import rsqr_jax as rj
 from rsqr_jax import policy as P
 from rsqr_jax.engine import TRACES
-from rsqr_jax.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
-from rsqr_jax.testing.tiny import drawn_seed, tiny_config, tiny_model, tiny_weights
+from rsqr_lab.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
+from rsqr_lab.testing import drawn_seed
+from rsqr_jax.models.tiny import tiny_config, tiny_model, tiny_weights
 from rsqr_jax.sampling import Sampling
 from rsqr_jax import recall
 from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
@@ -491,8 +492,8 @@ def test_recall_needs_a_raw_survivor_mode_a_cold_store_and_a_cap():
 def test_fact_probe_runs_every_arm_deterministically(tmp_path):
     """The acceptance experiment's mechanics on the tiny model (its answers are noise; the real model's
     figures are in docs/recall_tier.md)."""
-    from rsqr_jax.studies import fact_probe as F
-    from rsqr_jax.testing.tokenizer import ByteTokenizer
+    from rsqr_lab.studies import fact_probe as F
+    from rsqr_lab.testing.tokenizer import ByteTokenizer
 
     text = tmp_path / "filler.txt"
     text.write_text(" ".join(np.random.default_rng(drawn_seed("probe")).choice(["ash", "elm", "oak", "yew"], 300)))
@@ -522,7 +523,7 @@ def test_page_summaries_match_the_stored_raw_keys(chunk, rule):
     """cold_lo / cold_hi ("quest") or cold_sum ("mean") of every page = the min / max or sum of its stored raw keys
     rotated at their global positions (restarted pages forget their remnants), after a chunked stream; a store
     keeps only the summaries its rule reads."""
-    from rsqr_jax.testing.oracle import rope_f64
+    from rsqr_lab.testing.oracle import rope_f64
 
     T = 45
     tokens = np.random.default_rng(drawn_seed("summaries")).integers(0, CFG.vocab_size, size=(1, T))
@@ -607,8 +608,8 @@ def test_recall_flags_bad_input_is_one_line(cli, script, args, fragment):
 
 
 def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
-    from rsqr_jax.studies import recall_timing as B
-    from rsqr_jax.testing.tokenizer import ByteTokenizer
+    from rsqr_lab.studies import recall_timing as B
+    from rsqr_lab.testing.tokenizer import ByteTokenizer
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
@@ -647,8 +648,8 @@ def test_bench_recall_fill_gives_every_arm_a_filled_store_of_its_own_layout(tmp_
     copy in float32 or int8), so no part of its store is left empty while its cold_pos says full."""
     import dataclasses as dc
 
-    from rsqr_jax.studies import recall_timing as B
-    from rsqr_jax.testing.tokenizer import ByteTokenizer
+    from rsqr_lab.studies import recall_timing as B
+    from rsqr_lab.testing.tokenizer import ByteTokenizer
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
@@ -679,9 +680,9 @@ def test_bench_recall_without_weights_runs_the_same_cache_on_a_projection_that_r
     from rsqr_jax.kernels.block_matvec import tile_codes
     from rsqr_jax.models.blocks import BlockWeights, StackedLayer
     from rsqr_jax.models.llama import Llama, split_apply
-    from rsqr_jax.studies import recall_timing as B
-    from rsqr_jax.testing.tiny import tiny_weights
-    from rsqr_jax.testing.tokenizer import ByteTokenizer
+    from rsqr_lab.studies import recall_timing as B
+    from rsqr_jax.models.tiny import tiny_weights
+    from rsqr_lab.testing.tokenizer import ByteTokenizer
 
     x = jnp.arange(12, dtype=jnp.float32).reshape(2, 6)
     blocks = BlockWeights.from_blocks(np.zeros((6, 64), np.int8), np.ones((6, 2), np.float32), None, 1)

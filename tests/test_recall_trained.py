@@ -1,5 +1,5 @@
 """Behaviour of the recall tier on a model that really uses what it read: a tiny decoder trained here with
-optax (rsqr_jax.testing.train, ~20 s on 2 cores) on one-token facts, filler, then questions about the facts.
+optax (rsqr_lab.testing.train, ~20 s on 2 cores) on one-token facts, filler, then questions about the facts.
 
 Measured (seed 0, 1200 steps, 64 evaluation rows x 4 questions, 40 filler tokens; greedy accuracy at the answers,
 chance 1/8; the default `max` page rule): full 0.953, rsqr W=8 without recall 0.141, streamingllm 0.137, rsqr +
@@ -17,7 +17,7 @@ import pytest
 
 import rsqr_jax as rj
 from rsqr_jax.models.config import ModelConfig
-from rsqr_jax.testing.train import AssocTask, assoc_accuracy, assoc_batch, train_assoc_model
+from rsqr_lab.testing.train import AssocTask, assoc_accuracy, assoc_batch, train_assoc_model
 
 TASK = AssocTask()
 CFG = ModelConfig("llama", TASK.vocab, 64, 128, 1, 4, 2, 16, 1e-5, 1e4)

@@ -15,7 +15,7 @@ import pytest
 from rsqr_jax.cache import read_layer_runs
 from rsqr_jax.kernels import recalled_attention as RA
 from rsqr_jax.kernels.survivor_attention import MASK_VALUE, _survivor_scores, rotation_table
-from rsqr_jax.testing.tiny import drawn_seed
+from rsqr_lab.testing import drawn_seed
 from tests.cpu_kernels import build_for_march, recall_decode_logits
 
 if shutil.which("c++") is None:  # the kernel is built with the machine's C++ compiler
@@ -110,7 +110,7 @@ def test_decode_logits_are_those_of_the_xla_path(monkeypatch):
     """A decode with the recall tier gives the logits it gives with the kernel off, within float32 rounding (the
     kernel sums in another order), and recall changes them (so the kernel's part shows)."""
     import rsqr_jax as rj
-    from rsqr_jax.testing.tiny import tiny_config, tiny_model
+    from rsqr_jax.models.tiny import tiny_config, tiny_model
 
     cfg = tiny_config(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=64)
     seed = drawn_seed("recalled_attention decode")

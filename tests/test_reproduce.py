@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rsqr_jax.studies import reproduce as R
-from rsqr_jax.studies import reproduce_arms as A
+from rsqr_lab.studies import reproduce as R
+from rsqr_lab.studies import reproduce_arms as A
 from tests.cli import assert_one_line_error, run_in_process, run_script
 
 
@@ -99,8 +99,8 @@ def test_explicit_step_matches_float64_oracle():
     """The explicit-position step (a tiny random model) against the float64 oracle: full causal attention
     and a sinks + window set at global (gapped) positions, two rows of one batch."""
     from rsqr_jax.models.llama import Llama, split_apply
-    from rsqr_jax.testing.oracle import stream_logits_f64
-    from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+    from rsqr_lab.testing.oracle import stream_logits_f64
+    from rsqr_jax.models.tiny import tiny_config, tiny_weights
 
     seed = 3
     print("seed", seed)

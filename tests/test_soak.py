@@ -1,4 +1,4 @@
-"""rsqr_jax.studies.soak on the tiny random model, in-process: the 5000-token CI soak, a forced failure,
+"""rsqr_lab.studies.soak on the tiny random model, in-process: the 5000-token CI soak, a forced failure,
 an interruption, vmapped vs separate; scripts/exp_soak.py as a subprocess: SIGTERM mid-stream (the real tokenizer)
 and bad input. The real-model soak (100k tokens) is documented in docs/speed.md."""
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from rsqr_jax.policy import make_policy
-from rsqr_jax.studies import soak as S
-from rsqr_jax.testing.tiny import tiny_config, tiny_model
-from rsqr_jax.testing.tokenizer import ByteTokenizer
+from rsqr_lab.studies import soak as S
+from rsqr_jax.models.tiny import tiny_config, tiny_model
+from rsqr_lab.testing.tokenizer import ByteTokenizer
 from tests.cli import assert_one_line_errors
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ def test_separate_steps_score_like_the_vmapped_one(model, text):
 
 
 def _script(*args: str):
-    env = dict(os.environ, PYTHONPATH=str(REPO))  # this checkout's packages, not the editable install's
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "lab")]))  # this checkout's packages
     return [sys.executable, str(REPO / "scripts" / "exp_soak.py"), *args], dict(cwd=REPO, env=env, text=True)
 
 

@@ -4,7 +4,7 @@
   to the plain bfloat16 path;
 * a Session compiles its step with the policy as constants: same tokens as the data-policy step;
 * greedy sampling skips the candidate search (lax.cond): same token as argmax, and temperature > 0 still samples;
-* rsqr_jax.studies.latency's positions-only rotation counts match what each policy is defined to do,
+* rsqr_lab.studies.latency's positions-only rotation counts match what each policy is defined to do,
   and its run (and bench_decode's, greedy tokens equal to HF's) works end to end on the tiny model.
 """
 
@@ -26,12 +26,12 @@ from rsqr_jax.engine import Decoder, stream_nll
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.sampling import Sampling, sample
-from rsqr_jax.studies import decode_timing as B
-from rsqr_jax.studies import latency as L
+from rsqr_lab.studies import decode_timing as B
+from rsqr_lab.studies import latency as L
 from rsqr_jax.spec import ColdStore
 from rsqr_jax.session import Session
-from rsqr_jax.testing.tiny import tiny_config, tiny_weights
-from rsqr_jax.testing.tokenizer import ByteTokenizer
+from rsqr_jax.models.tiny import tiny_config, tiny_weights
+from rsqr_lab.testing.tokenizer import ByteTokenizer
 from tests.cli import assert_one_line_errors
 
 CFG = tiny_config()

@@ -123,7 +123,7 @@ def test_check_text(tmp_path):
 
 def test_hf_stream_nll_chunks_equal_one_forward():
     torch = pytest.importorskip("torch")
-    from rsqr_jax.testing.hf_reference import hf_stream_nll
+    from rsqr_lab.testing.hf_reference import hf_stream_nll
     from tests import hf_fixtures
 
     spec = hf_fixtures.TINY_SPECS["llama"]

@@ -32,7 +32,7 @@ def test_fact_probe_and_recall_study_run_on_gemma2(gemma2, tmp_path):
     replay is not defined for hybrid models) run past the local window: the fact has left the local rings and
     the policies' windows, and every arm answers."""
     from rsqr_jax.spec import ColdStore
-    from rsqr_jax.studies import fact_probe, recall_probe
+    from rsqr_lab.studies import fact_probe, recall_probe
 
     loaded, apply_fn, params, filler = gemma2
     cfg = fact_probe.FactConfig(filler, trials=2, n_filler=60, arms=("rsqr", "rsqr_recall"), policy=P.rsqr(16, 2, 3, 4),

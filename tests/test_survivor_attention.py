@@ -1,6 +1,6 @@
 """rsqr_jax.kernels.survivor_attention: the Pallas kernel (interpret mode on CPU) against the pure-jnp
 reference and against the independent float64 numpy implementation of docs/design.md §6
-(rsqr_jax.testing.kernel.oracle_f64, on its seeded inputs kernel_inputs)."""
+(rsqr_lab.testing.kernel.oracle_f64, on its seeded inputs kernel_inputs)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rsqr_jax.kernels import survivor_attention
 from rsqr_jax.kernels import survivor_attention_reference
 from rsqr_jax.kernels.survivor_attention import (_angle_input, _survivor_attention_parts, rotation_table,
                                                survivor_attention_xla)
-from rsqr_jax.testing.kernel import (KERNEL_ARGS, args_of, kernel_inputs, oracle_f64, rel_err, rope_inv_freq,
+from rsqr_lab.testing.kernel import (KERNEL_ARGS, args_of, kernel_inputs, oracle_f64, rel_err, rope_inv_freq,
                                      rope_f64)
 
 
@@ -146,7 +146,7 @@ def test_lowers_to_pallas_triton(dtype, C, S, exact):
     0.11.2 and compiles the IR to sm_90a; running it needs a GPU (scripts/gpu_check.sh)."""
     from jax import export
 
-    from rsqr_jax.devtools.compile_report import h200_lowering
+    from rsqr_lab.devtools.compile_report import h200_lowering
 
     inp, inv = kernel_inputs(3, B=2, C=C, Hq=9, Hkv=3, D=64, W=1000, S=S, dtype=dtype)
     f = jax.jit(lambda *a: survivor_attention(*a, inv, interpret=False, exact_angles=exact))

@@ -1,5 +1,5 @@
 """Vectorized policy sweeps (rsqr_jax.sweep) on a tiny random model: vmapped == alone, one compilation,
-sharded == unsharded (4 simulated CPU devices in a subprocess, also through rsqr_jax.studies.policy_sweep),
+sharded == unsharded (4 simulated CPU devices in a subprocess, also through rsqr_lab.studies.policy_sweep),
 grid parsing; the sweep and bench_sweep experiments in-process; the command lines' bad-input contract."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from rsqr_jax import policy as P
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
 from rsqr_jax.sweep import policy_grid, summarize, sweep_nll
-from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+from rsqr_jax.models.tiny import tiny_config, tiny_weights
 from tests.cli import assert_one_line_error, run_in_process, run_scripts, xla_env
 
 CFG = tiny_config()
@@ -84,7 +84,7 @@ _CHILD = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as PS
     from rsqr_jax.models.llama import Llama, split_apply
     from rsqr_jax.sweep import make_mesh, policy_grid, sweep_nll
-    from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+    from rsqr_jax.models.tiny import tiny_config, tiny_weights
     assert jax.device_count() == 4, jax.devices()
     cfg = tiny_config()
     apply_fn, params = split_apply(Llama(cfg, tiny_weights(cfg, 0), dtype=jnp.float32))
@@ -100,7 +100,7 @@ _CHILD = textwrap.dedent("""
         assert cache.win_k.shape[0] == -(-len(names) // p_dev) * p_dev and len(cache.win_k.addressable_shards) == 4
         out[f"nll_{{p_dev}}x{{b_dev}}"] = nll
     # The experiment module over the same 4 devices (its own mesh: 4 x 1, the policy axis padded 5 -> 8).
-    from rsqr_jax.studies import policy_sweep as SX
+    from rsqr_lab.studies import policy_sweep as SX
     res = SX.run(SX.SweepConfig(**{experiment!r}, devices=4), apply_fn, params, cfg)
     assert res.meta["devices"] == 4
     out["experiment"] = res.nll_PxT
@@ -173,8 +173,9 @@ def test_summarize_curve():
 # scripts/exp_sweep.py: bad input -> one line on stderr, exit code 2; the real model end to end (slow).
 
 
-# The scripts import this checkout's packages (not whichever checkout the editable install points at).
-SCRIPT_ENV = dict(os.environ, PYTHONPATH=ROOT)
+# The scripts import this checkout's packages, rsqr_jax and lab/'s rsqr_lab (not whichever checkout the editable
+# install points at).
+SCRIPT_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "lab")]))
 
 
 def _cli(*args, timeout=600):
@@ -249,10 +250,10 @@ def test_sweep_cli_two_processes_equal_one_process_in_process():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# rsqr_jax.studies.policy_sweep / bench_sweep in-process on the tiny model (tokens: TOKENS, seed 3; weights seed 0).
+# rsqr_lab.studies.policy_sweep / bench_sweep in-process on the tiny model (tokens: TOKENS, seed 3; weights seed 0).
 
-from rsqr_jax.studies import sweep_timing as BX  # noqa: E402
-from rsqr_jax.studies import policy_sweep as SX  # noqa: E402
+from rsqr_lab.studies import sweep_timing as BX  # noqa: E402
+from rsqr_lab.studies import policy_sweep as SX  # noqa: E402
 from rsqr_jax.eval.runtime import ConfigError  # noqa: E402
 
 SMALL_GRID = "mode=rsqr,streamingllm,full window=6,8 sinks=2 delta=3 max_survivors=3"  # 2 + 2 + 1 policies

@@ -11,7 +11,7 @@ from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.session import Session
-from rsqr_jax.testing.tiny import tiny_config, tiny_weights
+from rsqr_jax.models.tiny import tiny_config, tiny_weights
 
 CFG = tiny_config()
 IDENTITY = {"model": "tiny-random", "seed": 0, "vocab_size": CFG.vocab_size, "dtype": "float32"}

@@ -1,5 +1,5 @@
 """The tiny random model as an experiments `Model` (with a byte tokenizer) and a seeded text file, for the
-in-process tests of rsqr_jax.studies.{streams, policies, ppl}. One model per dtype for the whole test
+in-process tests of rsqr_lab.studies.{streams, policies, ppl}. One model per dtype for the whole test
 run, so equal Decoders share their compilations."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import functools
 import numpy as np
 
 from rsqr_jax.eval.perplexity import Model
-from rsqr_jax.testing.tiny import tiny_config, tiny_model
+from rsqr_jax.models.tiny import tiny_config, tiny_model
 
 CFG = tiny_config()
 SEED = 0  # weights and text

@@ -1,4 +1,4 @@
-"""Shared command-line plumbing of every command (rsqr_jax.cli, scripts/, rsqr_jax.devtools): argument groups,
+"""Shared command-line plumbing of every command (rsqr_jax.cli, scripts/, the device tools in lab/): argument groups,
 policy/model construction, and the one-line-error contract (bad input -> one line on stderr, exit code 2, no
 traceback). Importing it imports no jax, so flags fail fast."""
 

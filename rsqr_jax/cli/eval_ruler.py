@@ -95,7 +95,7 @@ def load_pieces(spec, model: str | None):
     if spec.model == "tiny-random":
         import dataclasses
 
-        from rsqr_jax.testing.tiny import tiny_config, tiny_model
+        from rsqr_jax.models.tiny import tiny_config, tiny_model
 
         tokenizer = load_tokenizer(model)
         cfg = dataclasses.replace(tiny_config(vocab=len(tokenizer)), eos_token_ids=(tokenizer.eos_token_id,))
@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     from rsqr_jax.eval.ruler import export_tokenizer, format_table, plot, run_ruler
 
     spec = spec_from(args)  # ConfigError (one line, exit 2) on a bad task, policy or size
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # an optional dependency: before any model call
+            raise UsageError("--plot needs matplotlib (pip install 'rsqr_jax[plot]')")
     if spec.start and args.merge is None:
         raise UsageError(f"--start {spec.start} needs --merge REPORT: the report that holds samples 0..{spec.start - 1}")
     earlier = None

@@ -1,6 +1,6 @@
 """Streaming perplexity on top of `engine.stream_nll`, shared by eval_stream, exp_policies and exp_ppl: a
 batch of policies streamed in ONE vmapped evaluation (one compilation, weights shared), fed in pieces so
-an interruption keeps what finished; one policy streamed with its summary; the torch reference."""
+an interruption keeps what finished; one policy streamed with its summary."""
 
 from __future__ import annotations
 
@@ -109,20 +109,6 @@ def stream_policies(model: Model, ids_T, policies: dict[str, Policy], *, chunk: 
     status(f"[{label}] done in {tm.wall:.0f}s wall, {tm.cpu:.0f}s CPU"
            + (f"; steady {1000 * tmg['steady_s_per_token']:.0f} ms/token (wall)" if tmg["steady_s_per_token"] else ""))
     return out, tmg
-
-
-def hf_reference_nll(model_path: str, ids_T, *, chunk: int = 512,
-                     show_progress: bool = True) -> tuple[np.ndarray, dict]:
-    """Per-token NLL [T-1] of HF transformers' own float32 model (torch, eager, full attention) of the same
-    GGUF weights (rsqr_jax.testing.hf_reference), fed in chunks with past_key_values; and its timing."""
-    import torch
-
-    from rsqr_jax.testing.hf_reference import hf_gguf_model, hf_stream_nll
-
-    with Timer() as tm, progress(len(ids_T) - 1, "hf", enabled=show_progress) as bar:
-        nll = hf_stream_nll(hf_gguf_model(model_path), ids_T, chunk=chunk, progress=lambda e: bar.update(e - bar.n))
-    return nll, {"label": "hf", "wall_s": tm.wall, "cpu_s": tm.cpu, "chunk": chunk, "tokens": len(ids_T),
-                 "torch_threads": torch.get_num_threads()}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -98,9 +98,9 @@ class Llama(nnx.Module):
         capture_qk: also return every layer's raw (un-rotated) q [L, B, C, Hq, D] and k [L, B, C, Hkv, D],
         as the layer computed them (for experiments on RoPE numerics; no second forward anywhere).
         attend: the layer's attention, `attend_layer` (signature and cache contract); an experiment may pass
-        its own (e.g. rsqr_jax.studies.reproduce_arms.explicit_attend, whose "cache" is its own pytree).
+        its own (e.g. the studies in lab/: reproduce_arms.explicit_attend, whose "cache" is its own pytree).
         matmul(x, w): a layer's projection x @ w, w an array or a BlockWeights (None: dequantize, then dot); a
-        benchmark of weight formats passes its own (rsqr_jax.studies.weights_timing)."""
+        benchmark of weight formats passes its own (lab/: studies.weights_timing)."""
         cfg = self.config
         _dense = dense_matmul if matmul is None else matmul
         B, C = tokens_BxC.shape
