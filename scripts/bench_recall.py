@@ -23,18 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--text", default=str(DEFAULT_TEXT))
     p.add_argument("--cold-sizes", default="0,4096,16384,65536", help="cold-store capacities (0 = plain rsqr)")
-    p.add_argument("--recall-pages", type=int, default=4)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--recall-pages", type=int, default=None, help="default: the model's preset (rsqr_jax/presets)")
+    p.add_argument("--page-size", type=int, default=None, help="default: the model's preset")
     p.add_argument("--page-scores", default=None, help="page rules to compare at every cold size, e.g. mean,max "
                    "(default: the default rule)")
-    p.add_argument("--reselect", default="1", help="pages chosen afresh every k decode steps, a list to compare, "
-                   "e.g. 1,4,8 (ColdStore.reselect; 1 = every step)")
-    p.add_argument("--share-choice-from", default="none", metavar="LAYERS",
+    p.add_argument("--reselect", default=None, help="pages chosen afresh every k decode steps, a list to compare, "
+                   "e.g. 1,4,8 (ColdStore.reselect; 1 = every step; default: the model's preset)")
+    p.add_argument("--share-choice-from", default=None, metavar="LAYERS",
                    help="a list to compare, e.g. none,18: layers after LAYER attend the pages LAYER chose "
                    "(ColdStore.share_from; none = every layer chooses); per-layer sources (LAYERS:SOURCE,...) as "
-                   "arms separated by ';', e.g. '14;0-1:none,10-13:9,15-29:14'")
-    p.add_argument("--score-dtypes", default="float32", help="the max rule's scoring copy, a list to compare, e.g. "
-                   "float32,int8 (ColdStore.score_dtype)")
+                   "arms separated by ';', e.g. '14;0-1:none,10-13:9,15-29:14' (default: the model's preset)")
+    p.add_argument("--score-dtypes", default=None, help="the max rule's scoring copy, a list to compare, e.g. "
+                   "float32,int8 (ColdStore.score_dtype; default: the model's preset)")
     p.add_argument("--prompt-tokens", default="512", help="prompt lengths, one arm each, e.g. 32,2048 (a prompt "
                    "that stays inside the window with every generated token leaves the store empty)")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -51,6 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(p)
     args = p.parse_args(argv)
     check_model_args(args)
+    from rsqr_jax.models.loading import load_config
+    from rsqr_jax.presets import find_preset, format_choice_sources
+
+    preset = find_preset(load_config(args.model)).resolve().recall  # what a flag leaves out: the model's preset
+    args.recall_pages = preset["pages"] if args.recall_pages is None else args.recall_pages
+    args.page_size = preset["page_size"] if args.page_size is None else args.page_size
+    args.reselect = str(preset["reselect"]) if args.reselect is None else args.reselect
+    args.score_dtypes = preset["score_dtype"] if args.score_dtypes is None else args.score_dtypes
+    if args.share_choice_from is None:
+        share = preset["share_from"]
+        args.share_choice_from = ("none" if share is None else str(share) if isinstance(share, int)
+                                  else format_choice_sources(share))
     try:
         sizes = tuple(int(x) for x in args.cold_sizes.split(","))
     except ValueError:
