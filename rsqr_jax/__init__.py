@@ -23,6 +23,7 @@ _EXPORTS = {
     "rsqr_jax.cache": ["KVCache", "init_cache", "init_policy_cache"],
     "rsqr_jax.conversation": ["Chat", "Pins"],
     "rsqr_jax.engine": ["Decoder", "stream_nll"],
+    "rsqr_jax.info": ["info"],
     "rsqr_jax.policy": ["MODES", "Policy", "PolicyError", "full", "leave_gaps", "make_policy", "replay", "rerotate",
                         "rsqr", "rsqr_precompute", "stack_policies", "streamingllm", "unstack_policies", "window"],
     "rsqr_jax.presets": ["Preset", "PresetError", "Settings", "find_preset", "load_preset"],

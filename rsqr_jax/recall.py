@@ -146,8 +146,9 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
     """page_scores computed only over the first recall.live_pages pages: equal blocks of at most
     recall.score_block pages (score_block_pages) under a loop whose trip count is the number of blocks that hold anything
     (the last block is moved back to end at the last page; pages it scores twice get the same score), every
-    other page -inf: the same scores bit for bit (each page's score depends on that page alone; checked on
-    XLA:CPU, tests/test_recall.py). gather_glob(starts_BxM, n) -> [B, Hkv, M * n, D]: the "max" rule's scoring copy
+    other page -inf: the same scores within float32 rounding and the same ranking (each page's score depends on
+    that page alone, but XLA may sum a block's dot in another order than the whole store's: 1 ulp on an AVX2
+    machine; tests/test_recall.py). gather_glob(starts_BxM, n) -> [B, Hkv, M * n, D]: the "max" rule's scoring copy
     at the runs of n slots from those starts (None for the other rules). A store that fills pays for its fill, not its capacity."""
     B = q_BxCxHqxD.shape[0]
     Hkv, n_pages = cold_sum_BxHkvxNpxD.shape[1], cold_sum_BxHkvxNpxD.shape[2]

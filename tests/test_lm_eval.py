@@ -2,7 +2,8 @@
 (tests/data/lm_eval_task: multiple choice, generation, rolling perplexity), offline.
 
 With policy=full every loglikelihood equals lm-eval's own `hf` backend on transformers' loading of the same
-GGUF (to 1e-3) and the greedy generations are the same, one request at a time and on 4 streams (batch_size 4); bounded policies (rsqr, rsqr + recall) run the same
+GGUF (to float32 rounding: 1e-3 for a continuation, 1e-4 per token for a document) and the greedy generations
+are the same, one request at a time and on 4 streams (batch_size 4); bounded policies (rsqr, rsqr + recall) run the same
 requests with a window the contexts overflow; bad input gives one-line errors."""
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from tests.cli import REPO, assert_one_line_error, run_in_process, run_script
 
 TASKS = str(REPO / "tests" / "data" / "lm_eval_task")
 LIMIT = 1  # per task: 1 question x 4 choices, 1 generation, 1 document (the real model is slow on CPU)
+# Against lm-eval's hf backend (torch): a loglikelihood is a sum of float32 log-probabilities from another program,
+# each within ~1e-4 of torch's (a continuation of a few tokens within 1e-3; a document of N tokens within N * 1e-4:
+# measured 1.3e-3 on an 82-token document's -304.53 on an AVX2 machine).
+PER_TOKEN_ATOL = 1e-4
 
 
 def _responses(samples: dict) -> dict:
@@ -69,7 +74,8 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
     results = json.loads(proc.stdout)
     assert set(results["results"]) >= {"rsqr_facts", "rsqr_gen", "rsqr_rolling"}
     assert results["config"]["model_args"]["policy"] == "full"
-    ours = _responses(_read_sample_logs(out))
+    samples = _read_sample_logs(out)
+    ours = _responses(samples)
 
     # lm-eval's own hf backend on transformers' loading of the same GGUF, same tokenizer.
     from lm_eval.models.huggingface import HFLM
@@ -89,8 +95,17 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
     finally:
         torch.set_num_threads(threads)
     assert set(ours) == set(theirs) and len(ours) == 3 * LIMIT
-    for task in ("rsqr_facts", "rsqr_rolling"):
-        np.testing.assert_allclose(_lls(ours, task), _lls(theirs, task), atol=1e-3, rtol=0, err_msg=task)
+    # Two programs (XLA's, torch's) in float32: each token's log-probability to within its rounding. A rolling
+    # loglikelihood sums one per token of the document, so its bound is the per-token one times its length.
+    n_tokens = np.array([len(hf.tok_encode(s["doc"]["text"]))
+                         for s in sorted(samples["rsqr_rolling"], key=lambda s: s["doc_id"])])
+    atol = {"rsqr_facts": 1e-3, "rsqr_rolling": PER_TOKEN_ATOL * n_tokens}
+
+    def assert_close(got: dict):
+        for task in ("rsqr_facts", "rsqr_rolling"):
+            np.testing.assert_array_less(np.abs(_lls(got, task) - _lls(theirs, task)).ravel(), atol[task], task)
+
+    assert_close(ours)
     assert all(ours[k][0][0].strip() for k in ours if k[0] == "rsqr_gen")  # real text, not an empty answer
     assert [ours[k] for k in sorted(ours) if k[0] == "rsqr_gen"] == [theirs[k] for k in sorted(theirs)
                                                                      if k[0] == "rsqr_gen"]
@@ -101,8 +116,7 @@ def test_full_matches_lm_eval_hf_backend_and_bounded_policies_run(tmp_path, smol
     pieces = (apply_fn, params, loaded.config, loaded.tokenizer)
     # The same with --batch_size 4: the requests on 4 independent streams (StreamsEngine), in process.
     streams = _responses(_evaluate(RsqrLM.from_model_args("policy=full,batch_size=4", pieces=pieces))["samples"])
-    for task in ("rsqr_facts", "rsqr_rolling"):
-        np.testing.assert_allclose(_lls(streams, task), _lls(theirs, task), atol=1e-3, rtol=0, err_msg=task)
+    assert_close(streams)
     assert [streams[k] for k in sorted(streams) if k[0] == "rsqr_gen"] == [theirs[k] for k in sorted(theirs)
                                                                            if k[0] == "rsqr_gen"]
 

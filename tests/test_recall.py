@@ -770,12 +770,14 @@ def test_a_store_is_scored_in_the_fewest_equal_blocks():
         assert blocks * got - n_pages < blocks  # what the last block rescores is less than one page per block
 
 
-@pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
+@pytest.mark.xla_optimized  # two programs: compared at the optimizations users run
 @pytest.mark.parametrize("rule", ["mean", "quest", "max"])
-def test_scoring_only_the_filled_pages_gives_every_score_bit_for_bit(rule):
+def test_scoring_only_the_filled_pages_gives_the_same_scores_and_choice(rule):
     """live_page_scores (blocks of pages over the first live_pages pages, the last block moved back to end at
-    the last page) against page_scores over the whole store: equal bit for bit for an empty store, a filling
-    prefix and a wrapped ring, at block sizes that divide the page count, do not, and exceed it."""
+    the last page) against page_scores over the whole store, for an empty store, a filling prefix and a wrapped
+    ring, at block sizes that divide the page count, do not, and exceed it: the same pages scored, each score
+    within float32 rounding (XLA compiles a block's dot at another shape than the store's, and may sum it in
+    another order: 1 ulp apart on an AVX2 machine), and the same ranking of the pages, which is what recall uses."""
     from rsqr_jax.recall import live_page_scores
 
     rng = np.random.default_rng(drawn_seed(f"live-{rule}"))
@@ -801,8 +803,14 @@ def test_scoring_only_the_filled_pages_gives_every_score_bit_for_bit(rule):
                 want, got = page_scores(*args, summ[1], summ[2]), live_page_scores(*args, summ[1], summ[2])
             else:
                 want, got = page_scores(*args), live_page_scores(*args)
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{filled} {block}")
-        assert np.isfinite(np.asarray(want)).sum() == B * np.any(valid.reshape(n_pages, Pg), 1).sum()
+            got, want = np.asarray(got), np.asarray(want)
+            finite = np.isfinite(want)
+            np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=f"{filled} {block}")
+            scale = np.abs(want[finite]).max(initial=1.0)  # a dot of D terms: its rounding scales with their size
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * scale, err_msg=f"{filled} {block}")
+            np.testing.assert_array_equal(np.argsort(-got, axis=-1, kind="stable"),
+                                          np.argsort(-want, axis=-1, kind="stable"), err_msg=f"{filled} {block}")
+        assert np.isfinite(want).sum() == B * np.any(valid.reshape(n_pages, Pg), 1).sum()
 
 
 def _logits_token_by_token(apply_fn, params, spec, pol, tokens, chunk):
@@ -816,12 +824,13 @@ def _logits_token_by_token(apply_fn, params, spec, pol, tokens, chunk):
 
 @pytest.mark.parametrize("rule,chunk", [("max", 1), ("mean", 1), ("quest", 1), ("shortlist", 1), ("max", 4),
                                         ("shortlist", 4)])
-@pytest.mark.xla_optimized  # two programs, the same bits: at the optimizations users run
-def test_skipping_an_empty_store_and_scoring_its_fill_changes_no_bit(monkeypatch, rule, chunk):
+@pytest.mark.xla_optimized  # two programs: compared at the optimizations users run
+def test_skipping_an_empty_store_and_scoring_its_fill_gives_the_same_logits(monkeypatch, rule, chunk):
     """The recall tier as it runs (nothing scored, gathered or attended while nothing is recallable; only the
     filled blocks scored while the ring fills) against every page scored at every step (score_block 0): the
-    same logits bit for bit, step by step, through an empty store, a filling one and a wrapped ring, with
-    several blocks (3 pages, the last one moved back) and with the default block (one block here)."""
+    same logits within float32 rounding (other programs; another page chosen would move them by far more),
+    step by step, through an empty store, a filling one and a wrapped ring, with several blocks (3 pages, the
+    last one moved back) and with the default block (one block here)."""
 
     T = 96
     tokens = np.random.default_rng(drawn_seed(f"skip-{rule}")).integers(0, CFG.vocab_size, size=(1, T))
@@ -833,11 +842,12 @@ def test_skipping_an_empty_store_and_scoring_its_fill_changes_no_bit(monkeypatch
     for block in (0, 3, recall.SCORE_BLOCK_PAGES):
         monkeypatch.setattr(recall, "SCORE_BLOCK_PAGES", block)
         got[block] = _logits_token_by_token(lambda *a: apply_fn(*a), params, spec, pol, tokens, chunk)  # new trace
+    atol = 1e-5 * np.abs(got[0]).max()  # float32 rounding at the logits' scale; recall's pages move them > 1e-3
     for block in (3, recall.SCORE_BLOCK_PAGES):
-        np.testing.assert_array_equal(got[block], got[0], err_msg=f"block {block}")
+        np.testing.assert_allclose(got[block], got[0], rtol=1e-5, atol=atol, err_msg=f"block {block}")
     plain = P.rsqr(8, 2, 3, 3)
     alone = _logits_token_by_token(apply_fn, params, spec_for([plain], T, chunk=chunk), plain, tokens, chunk)
-    np.testing.assert_array_equal(got[0][:8], alone[:8])  # nothing left the window yet: plain rsqr, bit for bit
+    np.testing.assert_allclose(got[0][:8], alone[:8], rtol=1e-5, atol=atol)  # nothing left the window yet: plain rsqr
     assert np.abs(got[0] - alone).max() > 1e-3  # recall changed the stream later: the check is not vacuous
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from rsqr_jax.kernels import cpu_ffi
 
+NAME = "block_matvec"  # its key in cpu_ffi.KERNELS
 TARGET = "rsqr_block_matvec"
 SOURCE = Path(__file__).with_name("block_matvec.cc")
 GROUP = 8  # output columns per tile of the codes' layout ([L, K/32, N/8, 32, 8])
@@ -55,6 +56,14 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     """Why the kernel is not available (None when it is)."""
     return _load()
+
+
+def usable() -> bool:
+    """available(), for a caller about to use the kernel: where it cannot be built, a warning once per process
+    (cpu_ffi.warn_off) says why and what falling back costs."""
+    reason = _load()
+    cpu_ffi.warn_off(NAME, reason)
+    return reason is None
 
 
 def tile_codes(codes: np.ndarray) -> np.ndarray:

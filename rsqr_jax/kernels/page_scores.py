@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from rsqr_jax.kernels import cpu_ffi
 
+NAME = "page_scores"  # its key in cpu_ffi.KERNELS
 TARGET = "rsqr_page_scores_int8"
 SOURCE = Path(__file__).with_name("page_scores.cc")
 QUERIES_MAX = 64  # query vectors per KV head (chunk rows x query heads per KV head) the kernel takes; more stay on XLA
@@ -38,10 +39,18 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def usable() -> bool:
+    """available(), for a caller about to use the kernel: where it cannot be built, a warning once per process
+    (cpu_ffi.warn_off) says why and what falling back costs."""
+    reason = _load()
+    cpu_ffi.warn_off(NAME, reason)
+    return reason is None
+
+
 def applies(n_queries: int) -> bool:
     """Whether a call with this many query vectors per KV head goes through the kernel (decode's few do; a prefill
     chunk's many stay on XLA's dot)."""
-    return n_queries <= QUERIES_MAX and available()
+    return n_queries <= QUERIES_MAX and usable()
 
 
 def page_scores_int8(rows_LxBxHkvxNxW: jax.Array, layer, q_codes_BxCxHkvxGxD: jax.Array, q_scale_BxCxHkvxG: jax.Array,

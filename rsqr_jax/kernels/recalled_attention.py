@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from rsqr_jax.kernels import cpu_ffi
 
+NAME = "recalled_attention"  # its key in cpu_ffi.KERNELS
 TARGET = "rsqr_recalled_attention"
 SOURCE = Path(__file__).with_name("recalled_attention.cc")
 QUERIES_MAX = 64  # query vectors per KV head (chunk rows x query heads per KV head) the kernel takes; more stay on XLA
@@ -62,11 +63,19 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def usable() -> bool:
+    """available(), for a caller about to use the kernel: where it cannot be built, a warning once per process
+    (cpu_ffi.warn_off) says why and what falling back costs."""
+    reason = _load()
+    cpu_ffi.warn_off(NAME, reason)
+    return reason is None
+
+
 def applies(runs: StoredRuns, n_queries: int, logit_cap) -> bool:
     """Whether these slots go through the kernel: a decode step's few queries, no logit soft-capping, K/V stored as
     float32 or bfloat16 bits, on a machine where the kernel builds."""
     return (n_queries <= QUERIES_MAX and logit_cap is None and runs.k_stack.dtype in (jnp.float32, jnp.uint16)
-            and runs.v_stack.dtype == runs.k_stack.dtype and available())
+            and runs.v_stack.dtype == runs.k_stack.dtype and usable())
 
 
 def recalled_partial(runs: StoredRuns, qs_BxCxHkvxGxD: jax.Array, table_TxD) -> tuple[jax.Array, jax.Array, jax.Array]:

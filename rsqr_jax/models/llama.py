@@ -307,10 +307,14 @@ def load_model(path: str | None = None, dtype: str = "float32", *, weight_format
     if weight_format == "tiled" and not block_matvec.available():
         raise ValueError(f"weight_format 'tiled': {block_matvec.unavailable_reason()}")
     path = default_model_path() if path is None else str(path)
-    if weight_format == "auto":
+    auto = weight_format == "auto"
+    if auto:
         weight_format = ("dense" if jax.default_backend() != "cpu" else
                          "tiled" if block_matvec.available() else "blocks")
-    return _load_cached(path, str(jnp.dtype(dtype)), weight_format)
+    loaded = _load_cached(path, str(jnp.dtype(dtype)), weight_format)
+    if auto and loaded.weight_format == "blocks":
+        block_matvec.usable()  # the kernel would hold these blocks: a warning once says why it cannot
+    return loaded
 
 
 def forward_logits(path_or_loaded, token_ids: np.ndarray, *, dtype: str = "float32") -> np.ndarray:
