@@ -221,6 +221,9 @@ def test_cache_dtype_reaches_the_cache_spec_while_weights_stay_float32(smollm2_p
     assert result["cache_bytes"] == spec.bytes_by_part(pol) and result["cache_bytes"]["cold_store"] > 0
     assert result["policy_name"].endswith("recall=4)")
     assert "float32 weights, bfloat16 cache" in proc.stderr
+    assert "preset SmolLM2-135M-Instruct" in proc.stderr
+    kernels = next(line for line in proc.stderr.splitlines() if line.startswith("CPU kernels"))
+    assert "first use" not in kernels, kernels  # after the first decode step every kernel it uses has said so
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     status("compiling the prefill and decode steps for this cache (once per configuration) ...")
     session.warmup()
     status(f"compiled in {session.compile_s:.1f}s")
+    if jax.default_backend() == "cpu":
+        from rsqr_jax.kernels.cpu_status import status_line
+
+        status(status_line())
     if turns is None and sys.stdin.isatty():
         status("chat: type a message and press Enter; /reset forgets the conversation, /exit (or Ctrl-D) ends it")
 
