@@ -94,7 +94,8 @@ def test_tiny_blocks_model_equals_dense(quantized_gguf):
     pol = rj.rsqr(16, 2, 4, 4)
     runs = []
     for loaded in (blocks, dense):
-        s = loaded.session(pol, chunk=8, max_len=128)
+        apply_fn, params = loaded.split()
+        s = rj.Session.create(apply_fn, params, pol, dims=loaded.config, chunk=8, max_len=128)
         s.feed(ids[0].tolist())
         runs.append((s.generate(24), s.cache))
     assert runs[0][0] == runs[1][0]

@@ -142,7 +142,8 @@ LAYERS = {
     "kernels": {"host", "kernels"},
     "core": {"host", "kernels", "core"},
     "models": {"host", "kernels", "core", "models"},
-    "eval": {"host", "kernels", "core", "models", "eval"},
+    "api": {"host", "kernels", "core", "models", "api"},  # the front door: a model and its preset
+    "eval": {"host", "kernels", "core", "models", "api", "eval"},
 }
 APPS = {"cli"}  # may import any layer; nothing in a layer imports them (the studies and device tools are lab/'s)
 
