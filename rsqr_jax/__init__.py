@@ -1,12 +1,12 @@
 """rsqr_jax: exact, cheap bounded KV caches for streaming LLMs (RSQR and every rival policy), in JAX.
 
-The public API (see README.md): `load()`, the front door (a model and its preset: chats, sessions, one-call
+The public API: `load()`, the front door (a model and its preset: chats, sessions, one-call
 generation); policies as data, the cache spec and pytree, the one decode engine, sessions and the text-level
 chat over one, sampling, streaming NLL and vmapped sweeps. Names resolve on
 first use (PEP 562), so importing a subpackage (the kernels, the command-line plumbing) does not import
 the whole engine.
 
-Layout by kind (docs/design.md, "Layout"): this package's modules are the core; `kernels` the fused
+Layout by kind: this package's modules are the core; `kernels` the fused
 attention (lowest layer); `models` the Flax decoders and loaders; `eval` reusable evaluation (streaming
 perplexity, statistics, the request harness, the lm-eval model); `cli` the command-line applications and
 their plumbing. The experiments and benchmarks (`studies`), the GPU checks (`devtools`) and the test support

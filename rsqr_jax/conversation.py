@@ -67,7 +67,7 @@ def system_prompt_text(tokenizer, system: str | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Pins:
-    """What a conversation pins from its start, kept forever, exactly (docs/design.md §3c): the first `keep`
+    """What a conversation pins from its start, kept forever, exactly: the first `keep`
     tokens of the stream (llama.cpp's n_keep), the system prompt (`system`), or the whole first prompt, system
     prompt and first user turn (`first_turn`). All three are prefixes of the stream: the longest one is pinned."""
 

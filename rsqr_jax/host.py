@@ -27,10 +27,9 @@ COMPILE_CACHE_MAX_BYTES = 1 << 30
 
 def enable_compilation_cache() -> None:
     """Keep the programs XLA compiles in cache_dir("xla") (jax's persistent compilation cache), so that a command
-    run again on the same configuration loads them instead of compiling (decode.py says how long it compiled;
-    docs/speed.md §4 gives the peak memory of both runs). Only programs
-    that took at least a second to compile are kept (jax's default). Every command calls it before its first
-    compilation (rsqr_jax.cli.args.run_main); a library user may too, or set jax's own
+    run again on the same configuration loads them instead of compiling (decode.py says how long it compiled).
+    Only programs that took at least a second to compile are kept (jax's default). Every command calls it before
+    its first compilation (rsqr_jax.cli.args.run_main); a library user may too, or set jax's own
     `jax_compilation_cache_dir`. A directory already set (JAX_COMPILATION_CACHE_DIR) is kept; RSQR_COMPILE_CACHE=0
     turns it off."""
     if os.environ.get("RSQR_COMPILE_CACHE", "1") == "0":
@@ -59,7 +58,7 @@ def _malloc_trim():
 def release_free_heap() -> bool:
     """Hand the heap memory freed so far back to the operating system (glibc's malloc_trim; False where there
     is none). glibc keeps freed blocks for reuse, so the transient buffers of reading a model (a GGUF's blocks
-    decoded and re-laid) and of XLA's compiler stay in the resident set after they are freed (docs/speed.md §4).
+    decoded and re-laid) and of XLA's compiler stay in the resident set after they are freed.
     Called after each."""
     trim = _malloc_trim()
     return bool(trim and trim(0) is not None)

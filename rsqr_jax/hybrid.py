@@ -1,4 +1,4 @@
-"""Local (sliding-window) layers of hybrid models (docs/design.md §3d; Gemma 2 / Gemma 3).
+"""Local (sliding-window) layers of hybrid models (Gemma 2 / Gemma 3).
 
 A local layer attends to the last w tokens (itself included) by construction, whatever the policy. Its keys are
 rotated once, at their global positions, when they arrive, and never touched again: inside the window every

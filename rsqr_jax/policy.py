@@ -1,4 +1,4 @@
-"""Eviction policies as data (docs/design.md §2-4): a pytree of int32 scalars, so policies vmap.
+"""Eviction policies as data: a pytree of int32 scalars, so policies vmap.
 
 A `Policy` says which tokens stay (window, sinks, survivor stride, cap, block, overflow rule) and on
 which timeline attention sees them (its `mode`). Nothing here has a shape that depends on a
@@ -32,7 +32,7 @@ DEFAULTS = _D = policy_defaults()
 
 @dataclasses.dataclass(frozen=True)
 class ModeTraits:
-    """What a mode does, as the flags the per-step update reads (the policy table of docs/design.md §4).
+    """What a mode does, as the flags the per-step update reads (one row per mode of MODES).
 
     rank_window: the window segment is on the rank timeline (keys and query at ranks).
     rank_store: stored keys are rotated at their rank and must follow rank changes (rerotate / replay).
@@ -89,7 +89,7 @@ class Policy:
     n_sink N: tokens 0..N-1 are kept forever. delta: every delta-th token leaving the window is kept
     as a survivor (0: none). max_survivors: cap on non-sink survivors. block: eviction granularity.
     overflow: index into OVERFLOWS (what to drop past the cap). recall_pages K: each layer attends, in
-    the raw segment, to the tokens of its top-K cold-store pages as well (docs/design.md §3b; 0 = off).
+    the raw segment, to the tokens of its top-K cold-store pages as well (0 = off).
     """
 
     mode: jax.Array
@@ -275,7 +275,7 @@ def policy_size(policy: Policy) -> int | None:
 
 
 def window_start(n: jax.Array, window: jax.Array, block: jax.Array, start: jax.Array | int = 0) -> jax.Array:
-    """Global position of the oldest window token once the stream (begun at `start`) reaches n (docs/design.md §3).
+    """Global position of the oldest window token once the stream (begun at `start`) reaches n.
 
     The window grows to W + b - 1 tokens; the token that would make it W + b releases the oldest b.
     Computed on the stream-relative count r = n - start, compared as r - W < b so that nothing

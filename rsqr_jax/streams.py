@@ -17,9 +17,8 @@ single-prompt ones. Scheduling: prefill-first by default (a round with prompts t
 prefill: generating streams wait for a joining prompt's whole prefill, but every block then serves the
 most streams). `interleave=True` runs, in a round where prompts prefill while others generate, one prefill
 chunk and then one generation block (two compiled calls, each leaving the other streams untouched): a
-joining prompt delays the others by one chunk per block instead of stalling them (3-4.5x shorter longest
-stall on SmolLM2, CPU), at the price of blocks that serve fewer streams (23-29% fewer tokens/s there;
-docs/streams.md, "Join stall"). The tokens are the same either way.
+joining prompt delays the others by one chunk per block instead of stalling them for its whole prefill, at
+the price of blocks that serve fewer streams (fewer tokens/s). The tokens are the same either way.
 
     sched = StreamScheduler(apply_fn, params, spec, policy, n_slots=16, prefill_chunk=64, eos_ids=eos)
     results = sched.run([Request(ids, max_new_tokens=64) for ids in prompts])   # in request order

@@ -25,7 +25,7 @@ unchanged. Every process holds the same host data (grid, tokens, weights), and t
 host-local needs to change; the NLL is gathered replicated, readable on every process (write the
 outputs from `jax.process_index() == 0` only). On CPU the cross-process collectives are gloo's.
 `scripts/exp_sweep.py --processes N` runs this with N local processes on a loopback coordinator (tested);
-docs/sweep.md shows one process per host on a cluster.
+on a cluster, run one process per host.
 """
 
 from __future__ import annotations

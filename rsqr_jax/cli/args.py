@@ -96,7 +96,7 @@ def add_policy_args(p: argparse.ArgumentParser, *, default_policy: str = "rsqr",
 
 def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0, what: str = "",
                     pages: bool = True, preset: bool = False) -> None:
-    """The recall tier's flags (docs/design.md 3b); `what` says which arm they apply to, if not --policy;
+    """The recall tier's flags; `what` says which arm they apply to, if not --policy;
     pages=False leaves out --recall-pages (where a grid sets it); preset: every flag defaults to None (the
     model's preset, `apply_preset`)."""
     g = p.add_argument_group("recall tier (rsqr, streamingllm)" + (f": {what}" if what else "")
@@ -111,8 +111,8 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
     g.add_argument("--page-size", type=int, default=None if preset else 16, help="tokens per cold page")
     g.add_argument("--page-score", default=None, help="how pages are ranked: max (the default: the page's best "
                    "token, exact; a scoring copy of every cold key, the whole store scored each step), "
-                   "shortlist (the best token of the 16 x K pages of best mean key: the same choices in the "
-                   "measurements, no scoring copy; for stores of 16k tokens and more), mean (the query against the "
+                   "shortlist (the best token of the 16 x K pages of best mean key: nearly always max's "
+                   "choices, no scoring copy; for stores of 16k tokens and more), mean (the query against the "
                    "page's mean key: cheaper, misses more) or quest (Quest's per-channel bound)")
     g.add_argument("--recall-neighbors", type=int, default=None if preset else 0,
                    help="pages on each side of a chosen page recalled with it (a fact across a page boundary)")
@@ -130,9 +130,9 @@ def add_recall_args(p: argparse.ArgumentParser, *, default_pages: int | None = 0
                    "value and a scale per key, scored by an int32 dot: a quarter of the copy's memory); default: "
                    "the preset's (the embedded model's: int8, the generic one: float32)")
     g.add_argument("--placement", default=None,
-                   help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors), "
-                   "true (at their true distance from the query; rsqr only) or fixed (all at the window's distance; "
-                   "rsqr only); docs/recall_tier.md compares them")
+                   help="where recalled tokens sit: rank (the default: at their rank among sinks and survivors, so "
+                   "every distance stays within the cache's size), true (at their true distance from the query; "
+                   "rsqr only) or fixed (all at the window's distance; rsqr only)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

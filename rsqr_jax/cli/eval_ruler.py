@@ -9,7 +9,7 @@ Every answer is cached per policy under --cache-dir as soon as it exists: the sa
 and a finished one re-reports without a model call. Samples grow in rounds (--limits 10,20,30: every cell gets
 its first 10 before any gets more); --start N with --merge REPORT answers samples from N on and reports them after
 the earlier report's first N. Prints one table (task x policy: score, Wilson 95% interval, n) and writes
-the JSON (--out) and a plot (--plot). docs/ruler.md.
+the JSON (--out) and a plot (--plot).
 """
 
 from __future__ import annotations

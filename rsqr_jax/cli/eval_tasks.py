@@ -9,7 +9,7 @@ lm-eval's own flags: --tasks --include_path --limit --num_fewshot --output_path 
 --seed --gen_kwargs --metadata; ours: the policy / recall / model flags of every script, --chunk, --max-length,
 --model_args (the "key=value,..." form of the same settings, which win over the flags). Prints lm-eval's
 table (--json: one JSON object, lm-eval's results without the samples). The model is
-rsqr_jax.eval.lm_eval_model.RsqrLM (registered in lm-eval as "rsqr_jax"); docs/lm_eval.md.
+rsqr_jax.eval.lm_eval_model.RsqrLM (registered in lm-eval as "rsqr_jax").
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 This is the small interface between an evaluation harness (rsqr_jax/eval/lm_eval_model.py: lm-evaluation-harness)
 and the engine: token ids in, log-probabilities / token ids out; no tokenizer, no model loading (rsqr_jax
-stays model-agnostic). `SequentialEngine` runs the requests one at a time on today's `Decoder` (a fresh
+stays model-agnostic). `SequentialEngine` runs the requests one at a time on a `Decoder` (a fresh
 batch-1 cache per request, the policy compiled in as constants, one compilation per chunk function for the
-whole run). An engine of independent streams can replace it behind the same two methods, `score` and
+whole run). `StreamsEngine` runs them on independent streams behind the same two methods, `score` and
 `generate`, which take the whole list of requests so that it may run them concurrently.
 
     engine = SequentialEngine(apply_fn, params, policy, num_layers=..., num_kv_heads=..., head_dim=...)

@@ -372,7 +372,7 @@ def run_ruler(spec: RulerSpec, pieces, tokenizer_dir: str, cache_dir: str, *, ou
             os.replace(tmp, out_json)
         return result
 
-    tokenizer = pieces[3]  # the samples' needle distances do not change between rounds: measured once
+    tokenizer = pieces[3]  # the samples' needle distances do not change between rounds: computed once
     needles = {} if tokenizer is None else \
         {t: needle_distances(task, spec.limits[-1], tokenizer) for t, task in tasks.items() if t.startswith("niah")}
     result = save(report(spec, tasks, cache_dir, extra={"model_requests": answered, "seconds": seconds},

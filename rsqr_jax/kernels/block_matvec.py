@@ -1,15 +1,15 @@
 """A CPU kernel for decode's projections on a GGUF's blocks (block_matvec.cc), built on first use.
 
 At batch 1 a decode step reads every weight once. XLA:CPU dequantizes a blocked int8 matrix into float32 before
-its dot (writing and reading four bytes per weight), and its integer dot is no fast path, so holding the GGUF's
-blocks gained decode only 1.2-1.4x over float32 weights (docs/speed.md §4, `blocks`). This kernel reads each code once and keeps
+its dot (writing and reading four bytes per weight), and its integer dot is no fast path, so on XLA alone the
+GGUF's blocks save memory but little decode time over float32 weights. This kernel reads each code once and keeps
 everything else in registers, as llama.cpp does, but in float32 on float32 activations: the same weights'
 products summed in another order (not llama.cpp's int8 activations).
 
 The C++ source ships with the package and is compiled on first use, for this machine, into the package's cache
 (rsqr_jax.kernels.cpu_ffi), then registered with XLA as an FFI target. Where it cannot be built (no
-compiler, not a CPU backend) `available()` says why and the caller stays on XLA's dequantize-then-dot; RSQR_CPU_KERNEL=0
-turns it off.
+compiler, not a CPU backend) `available()` says why and the caller stays on XLA's dequantize-then-dot;
+RSQR_CPU_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def tiled_dot(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Arra
     """x [..., K] @ one tiled matrix (codes [K/32, N/8, 32, 8], scale and offset [K/32, 1, N]) by XLA's dot: float32
     [..., N]. The matrix is dequantized in its tiles (float32 arithmetic, cast to `dtype` last) and contracted there,
     over (block, row in block): the values and the result of `dequantize` then a dot, bit for bit on XLA:CPU, without
-    the transpose back to rows that made a prompt's projections slower than the blocks layout's."""
+    a transpose back to rows (which would make a prompt's projections slower than on the blocks layout)."""
     kb, ng, blk, e = codes.shape
     tile = lambda a: a.reshape(kb, 1, ng, e).swapaxes(1, 2)  # noqa: E731  [K/32, 1, N] -> [K/32, N/8, 1, 8]
     w = codes.astype(jnp.float32) * tile(scale)

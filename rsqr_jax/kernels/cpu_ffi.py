@@ -32,9 +32,9 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """What a CPU kernel is for, in a few words (`label`), what running without it costs (`cost`, measured in
-    docs/speed.md §4 and docs/recall_tier.md §13, quoted roughly), and the CPU flags its AVX-512 path needs
-    (`avx512`) and its AVX2 build (`avx2`): without them it is built for a plainer path."""
+    """What a CPU kernel is for, in a few words (`label`), roughly what running without it costs (`cost`), and
+    the CPU flags its AVX-512 path needs (`avx512`) and its AVX2 build (`avx2`): without them it is built for a
+    plainer path."""
 
     label: str
     cost: str

@@ -5,7 +5,7 @@ rows into a temporary, converts them to bytes, runs an integer dot with no fast 
 in further passes. The kernel reads each key once, dots it with every query in registers and keeps each page's best,
 giving rsqr_jax.recall's scores bit for bit (the integer dot is exact; the two float32 products are XLA's, in its
 order). Where it cannot be built the recall tier stays on XLA (`available()` says why); RSQR_CPU_KERNEL=0 turns it
-off with the other CPU kernel.
+off with the other CPU kernels.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A Q4_0 / Q4_1 / Q8_0 tensor holds, per block of 32 values along its input axis, 
 a float16 scale d (and a float16 minimum m for Q4_1): value = d * code (+ m). Kept as int8 codes with float32
 scales, a matrix takes a quarter of the bytes of its float32 form, and the decoder dequantizes it inside the
 jitted step (`BlockWeights.dense`), where XLA:CPU keeps each layer's dequantized matrix in cache instead of
-reading it from memory (docs/speed.md §4 measures the formats tried).
+reading it from memory.
 
 Exact: d * code is exact in float32 (an 11-bit mantissa times an integer of at most 8 bits), so d * code + m
 rounds once, as gguf-py's float32 dequantization does: `dense()` is the float32 weight bit for bit, and the

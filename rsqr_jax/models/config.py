@@ -1,6 +1,6 @@
 """Static model configuration of the supported decoder families: Llama (Llama / Llama-3 rope scaling, SmolLM2,
 Mistral), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Gemma 2 and Gemma 3 (text): what the decoder
-computes and what the cache must hold per layer type (docs/models.md)."""
+computes and what the cache must hold per layer type."""
 
 from __future__ import annotations
 

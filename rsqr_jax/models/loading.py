@@ -5,7 +5,7 @@ Two sources (rsqr_jax/models/gguf.py, rsqr_jax/models/hf.py), one canonical resu
 * a GGUF file (llama.cpp format, any quantization gguf-py can dequantize), architecture ``llama``, ``qwen2``,
   ``qwen3``, ``gemma2`` or ``gemma3``;
 * a Hugging Face directory (``config.json`` + ``*.safetensors``, single file or sharded with an index) of a
-  supported family (rsqr_jax.models.hf.ARCHITECTURES; docs/models.md).
+  supported family (rsqr_jax.models.hf.ARCHITECTURES).
 
 ``load_weights`` returns float32 numpy arrays with canonical names, ``x @ W`` orientation and the layers
 stacked on a leading axis L (see ``canonical_shapes``); ``iter_weights`` yields them one at a time, so a
