@@ -1,4 +1,4 @@
-"""Attention dispatch: one call of the two-segment contract (docs/design.md §6), routed to a kernel.
+"""Attention dispatch: one call of the two-segment contract routed to a kernel.
 
 Every policy reuses the contract: the window is the pre-rotated segment, the survivor array the segment
 rotated inside the kernel (at position 0, the identity, when its keys are stored pre-rotated). What goes
@@ -34,10 +34,10 @@ def attend(q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_B
 
     scale (None: head_dim ** -0.5), logit_cap (attention-logit soft-capping) and sliding_window (a local
     layer's window over the window segment) are static model constants; None leaves the program as it was.
-    raw_tail: None, or (k [B, Hkv, R, D], v, rot_pos [B, R], valid [B, R]) or kernels.recalled_attention.StoredRuns:
-    R more slots of the survivor segment, after its own (the recall tier's tokens). The XLA kernel attends them as a
-    partial softmax of their own, so the two never become one array; the others take the segment joined (the
-    contract has two segments)."""
+    raw_tail: None, or R more slots of the survivor segment after its own (kernels.store.RawSegment, or
+    kernels.store.StoredRuns where they still lie in a store). The XLA kernel attends them as a partial softmax of
+    their own, so the two never become one array; the others take the segment joined (their contract has two
+    segments)."""
     impl = resolve_kernel(kernel)
     kw = {k: v for k, v in (("scale", scale), ("logit_cap", logit_cap), ("sliding_window", sliding_window))
           if v is not None}
@@ -45,7 +45,7 @@ def attend(q_BxCxHqxD, win_k, win_v, win_pos_BxW, surv_k, surv_v, surv_rot_pos_B
         if impl == "xla":
             kw["raw_tail"] = raw_tail
         else:
-            tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail if isinstance(raw_tail, tuple) else raw_tail.arrays()
+            tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail.arrays()
             surv_k, surv_v = jnp.concatenate([surv_k, tail_k], axis=2), jnp.concatenate([surv_v, tail_v], axis=2)
             surv_rot_pos_BxS = jnp.concatenate([surv_rot_pos_BxS, tail_rot_pos], axis=1)
             surv_valid_BxS = jnp.concatenate([surv_valid_BxS, tail_valid], axis=1)

@@ -1,4 +1,4 @@
-"""The immutable KV-cache pytree (docs/design.md §5).
+"""The immutable KV-cache pytree.
 
 Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers can thread it):
 
@@ -11,27 +11,13 @@ Layout, per layer (stacked on a leading layer axis L so a `lax.scan` over layers
   rsqr / rsqr_precompute / streamingllm, rotated for the rotated-storage policies.
 * surv_k_rot [L, B, Hkv, S or 0, D]: rsqr_precompute's copy of each survivor rotated at its rank.
 * win_tok / surv_tok [B, W or 0] / [B, S or 0]: token ids, only for replay.
-* cold_k / cold_v [L, B, Hkv, Nc, D], cold_sum [L, B, Hkv, Nc/P, D or 0] float32, cold_pos [Nc]: the recall
-  tier's cold store (docs/design.md §3b; Nc = CacheSpec.cold_slots, 0 without one). Every non-sink token
-  is written raw on arrival at ring slot (r - N) mod Nc, so the ring is made of pages of P consecutive
-  tokens; cold_sum holds, per page and KV head, the sum of its keys rotated at their global positions
-  (the page summary the "mean" and "shortlist" rules score; for the other rules its last axis is 0 and it
-  only says how many pages the ring has), cold_lo / cold_hi their per-channel minimum and maximum (only
-  for the page rule "quest"), cold_k_glob [L, B, Hkv, Nc or 0, D] float32 every cold key rotated at
-  its global position (only for page_score "max": scoring, never attended; with ColdStore.score_dtype "int8"
-  int32 [.., D/4 + 1], each key's int8 codes four to a word, then its float32 scale's bits), cold_pos each slot's global
-  position (-1 = empty). A token is
-  recallable once it has left the window; the window itself is never read from here.
-* cold_choice / cold_choice_on [L, B, M or 0], cold_step [1 or 0]: with ColdStore.reselect > 1 (or share_from),
-  the pages each layer chose when it last scored the store (M = recall_pages_gathered, with an active mask; a
-  layer that shares another's choice, ColdStore.share_from, reads that layer's row) and the step count that says
-  when it scores again;
-  empty otherwise.
+* cold: the recall tier's cold store (rsqr_jax.recall.ColdState: every evicted non-sink token's raw K/V in pages,
+  the summaries its page rule scores, each layer's kept page choice), None without one.
 * loc_k / loc_v [Lloc, B, Hkv, Wl, D], loc_pos [Wl]: the rings of a hybrid model's local (sliding-window)
   layers (CacheSpec.local_layers rings of local_window slots; empty otherwise; rsqr_jax.hybrid). Keys rotated
   once at their global positions, written at `g mod Wl`; the policy never reaches them. The policy's fields
   above then hold the global layers only (L = CacheSpec.num_layers of them).
-* pin_lo / pin_hi [PIN_SPANS or 0]: the pinned spans (docs/design.md §3c), [pin_lo, pin_hi) in global
+* pin_lo / pin_hi [PIN_SPANS or 0]: the pinned spans, [pin_lo, pin_hi) in global
   positions (empty: lo = hi); a pinned token takes a survivor entry on arrival, like a sink, and is kept
   forever, never counted against max_survivors. Set with `pin_span`, before the span is fed.
 
@@ -43,7 +29,7 @@ keys), surv_rank (each survivor's rank on the rank timeline, the logical-positio
 
 Stream origin: `t` is the global position of the next token and `start` the global position of the
 stream's first token (0 unless the cache was made with `init_cache(spec, start=s)`). Attention uses
-global positions (window keys rotated at g, the query at t); the token set (docs/design.md §3) is
+global positions (window keys rotated at g, the query at t); the token set is
 defined on stream-relative positions r = g - start: sinks are r < N, flagged tokens (r - N) mod delta ==
 delta - 1, and the window counts the r tokens seen so far. So a stream started at s keeps exactly the
 tokens a stream started at 0 keeps, shifted by s, and every policy's logits are translation-invariant
@@ -59,11 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rsqr_jax import recall as R
 from rsqr_jax.policy import Policy, host_policies, window_start
 from rsqr_jax.spec import PIN_SPANS, CacheSpec, keeps_pins
 
 MAX_POSITION = (1 << 31) - 1
-KV_FIELDS = ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold_k", "cold_v", "loc_k", "loc_v")
+# The K/V stacks (kernels.store), besides the cold store's own (ColdState.k, .v).
+KV_FIELDS = ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "loc_k", "loc_v")
 
 
 @jax.tree_util.register_dataclass
@@ -84,16 +72,7 @@ class KVCache:
     surv_rank: jax.Array
     surv_stored_rot: jax.Array
     surv_copy_pos: jax.Array
-    cold_k: jax.Array
-    cold_v: jax.Array
-    cold_sum: jax.Array
-    cold_lo: jax.Array
-    cold_hi: jax.Array
-    cold_k_glob: jax.Array
-    cold_pos: jax.Array
-    cold_choice: jax.Array
-    cold_choice_on: jax.Array
-    cold_step: jax.Array
+    cold: R.ColdState | None
     pin_lo: jax.Array
     pin_hi: jax.Array
     loc_k: jax.Array
@@ -117,7 +96,6 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
     L, B, H, D = spec.num_layers, spec.batch, spec.num_kv_heads, spec.head_dim
     W, S = spec.win_capacity, spec.surv_capacity
     Sp = S if spec.precompute else 0
-    Nc = spec.cold_slots
     dt = jnp.dtype(spec.dtype)
     neg = lambda n: jnp.full((n,), -1, jnp.int32)  # noqa: E731
     return KVCache(
@@ -128,15 +106,7 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
         surv_tok=jnp.zeros((B, S if spec.token_ids else 0), jnp.int32),
         win_pos=neg(W), win_stored_rot=jnp.zeros((W,), jnp.int32),
         surv_pos=neg(S), surv_rank=neg(S), surv_stored_rot=jnp.zeros((S,), jnp.int32), surv_copy_pos=neg(Sp),
-        cold_k=jnp.zeros((L, B, H, Nc, D), dt), cold_v=jnp.zeros((L, B, H, Nc, D), dt),
-        cold_sum=jnp.zeros((L, B, H, spec.cold_pages, D if spec.keeps_page_sums else 0), jnp.float32), cold_pos=neg(Nc),
-        cold_lo=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
-        cold_hi=jnp.zeros((L, B, H, spec.cold_pages if spec.page_score == "quest" else 0, D), jnp.float32),
-        cold_k_glob=jnp.zeros((L, B, H, Nc if spec.page_score == "max" else 0, spec.scoring_copy_row[1]),
-                              jnp.dtype(spec.scoring_copy_row[0])),
-        cold_choice=jnp.zeros((L, B, spec.recall_pages_gathered if spec.reselects else 0), jnp.int32),
-        cold_choice_on=jnp.zeros((L, B, spec.recall_pages_gathered if spec.reselects else 0), bool),
-        cold_step=jnp.zeros((1 if spec.reselects else 0,), jnp.int32),
+        cold=R.init_cold(spec, dt),
         pin_lo=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
         pin_hi=jnp.zeros((PIN_SPANS if spec.pins else 0,), jnp.int32),
         loc_k=jnp.zeros((spec.local_layers, B, H, spec.local_window, D), dt),
@@ -146,15 +116,33 @@ def init_cache(spec: CacheSpec, start: int = 0) -> KVCache:
     )
 
 
-# The cold store's fields by the axis that counts its ring slots, or its pages (one page = page_size slots).
-COLD_SLOT_AXES = {"cold_k": 3, "cold_v": 3, "cold_k_glob": 3, "cold_pos": 0}
-COLD_PAGE_AXES = {"cold_sum": 3, "cold_lo": 3, "cold_hi": 3}
+def cache_arrays(cache: KVCache) -> dict[str, jax.Array]:
+    """The cache as flat named arrays (a session file's entries): every field, the cold store's arrays by their
+    file names (recall.FILE_NAMES); what the cache does not hold (no cold store, or a summary its rule does not
+    keep) is not there."""
+    out = {f.name: getattr(cache, f.name) for f in dataclasses.fields(KVCache) if f.name != "cold"}
+    if cache.cold is not None:
+        out.update({R.FILE_NAMES[name]: getattr(cache.cold, name) for name in R.FILE_NAMES
+                    if getattr(cache.cold, name) is not None})
+    return out
 
 
-def _cold_fields(slots: int, page_size: int):
-    """(name, axis, length along it, init_cache's fill value) of every cold field cut to `slots` slots."""
-    for name, axis in {**COLD_SLOT_AXES, **COLD_PAGE_AXES}.items():
-        yield name, axis, slots if name in COLD_SLOT_AXES else slots // page_size, -1 if name == "cold_pos" else 0
+def cache_from_arrays(arrays: dict, spec: CacheSpec) -> KVCache:
+    """cache_arrays' inverse for a cache of `spec` (KeyError: an array the spec needs is missing)."""
+    fresh = jax.eval_shape(lambda: init_cache(spec))
+    kw = {f.name: jnp.asarray(arrays[f.name]) for f in dataclasses.fields(KVCache) if f.name != "cold"}
+    cold = None
+    if fresh.cold is not None:
+        cold = fresh.cold.replace(**{name: (None if getattr(fresh.cold, name) is None
+                                            else jnp.asarray(arrays[R.FILE_NAMES[name]])) for name in R.FILE_NAMES})
+    return KVCache(cold=cold, **kw)
+
+
+def _cold_file_fields(slots: int, page_size: int):
+    """(file name, axis, length along it, init_cache's fill value) of every cold array cut to `slots` slots."""
+    for name, axis in {**R.SLOT_AXES, **R.PAGE_AXES}.items():
+        yield (R.FILE_NAMES[name], axis, slots if name in R.SLOT_AXES else slots // page_size,
+               -1 if name == "pos" else 0)
 
 
 def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
@@ -167,7 +155,9 @@ def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
     page = spec.cold.page_size
     written = np.flatnonzero(np.asarray(fields["cold_pos"]) >= 0)
     used = 0 if not len(written) else -(-(int(written[-1]) + 1) // page) * page
-    for name, axis, first, fill in _cold_fields(used, page):
+    for name, axis, first, fill in _cold_file_fields(used, page):
+        if name not in fields:
+            continue
         tail = np.asarray(fields[name])[(slice(None),) * axis + (slice(first, None),)]
         pristine = (tail == fill).all() if fill else not tail.view(np.uint8).any()  # bits: -0.0 is not 0
         if not pristine:
@@ -178,19 +168,20 @@ def cold_slots_in_use(fields: dict[str, np.ndarray], spec: CacheSpec) -> int:
 def cut_cold_store(fields: dict[str, np.ndarray], used: int, page_size: int) -> dict[str, np.ndarray]:
     """`fields` with the cold store cut to its first `used` slots (cold_slots_in_use)."""
     out = dict(fields)
-    for name, axis, n, _ in _cold_fields(used, page_size):
-        out[name] = fields[name][(slice(None),) * axis + (slice(0, n),)]
+    for name, axis, n, _ in _cold_file_fields(used, page_size):
+        if name in fields:
+            out[name] = fields[name][(slice(None),) * axis + (slice(0, n),)]
     return out
 
 
 def grow_cold_store(fields: dict[str, np.ndarray], spec: CacheSpec) -> dict[str, np.ndarray]:
-    """Undo cut_cold_store: each cold field padded back to its spec shape with init_cache's values."""
-    fresh = jax.eval_shape(lambda: init_cache(spec))
+    """Undo cut_cold_store: each cold array padded back to its spec shape with init_cache's values."""
+    fresh = cache_arrays(jax.eval_shape(lambda: init_cache(spec)))
     out = dict(fields)
-    for name, axis, _, fill in _cold_fields(spec.cold_slots, spec.cold.page_size if spec.cold else 1):
-        if name not in fields:  # a file from before the field existed (the caller checks what is missing)
+    for name, axis, _, fill in _cold_file_fields(spec.cold_slots, spec.cold.page_size if spec.cold else 1):
+        if name not in fields or name not in fresh:  # the caller checks what is missing
             continue
-        a, want = fields[name], getattr(fresh, name)
+        a, want = fields[name], fresh[name]
         missing = want.shape[axis] - a.shape[axis]
         if missing > 0 and a.shape[:axis] + a.shape[axis + 1:] == want.shape[:axis] + want.shape[axis + 1:]:
             pad_shape = a.shape[:axis] + (missing,) + a.shape[axis + 1:]
@@ -209,8 +200,7 @@ def pinned_count(cache: KVCache) -> int:
 
 
 def pin_span(cache: KVCache, spec: CacheSpec, start: int, stop: int, policy: Policy | None = None) -> KVCache:
-    """The cache with global positions [start, stop) pinned: kept forever, exactly, beside the sinks (docs/design.md
-    §3c). Host-side, before the span is fed (a pinned key must be kept raw from its arrival on); a cache with a
+    """The cache with global positions [start, stop) pinned: kept forever, exactly, beside the sinks. Host-side, before the span is fed (a pinned key must be kept raw from its arrival on); a cache with a
     leading policy or stream axis pins every row alike. Raises PinError (one line) for a span already (partly)
     fed, one that would pass spec.pins tokens or PIN_SPANS spans, or a policy that keeps no pins."""
     start, stop = int(start), int(stop)
@@ -249,65 +239,3 @@ def cached_positions(cache: KVCache, policy: Policy) -> np.ndarray:
     in_window = set(int(g) for g in win if g >= max(w0, 0))
     kept = set(int(g) for g in surv if 0 <= g < w0)
     return np.array(sorted(in_window | kept), dtype=np.int64)
-
-
-# ----------------------------------------------------------------------------------------------------
-# K/V storage. bfloat16 K/V on CPU travel through the layer scan as their uint16 bits (`update.step` bitcasts
-# once per step): XLA:CPU has no bfloat16 dynamic-update-slice/select, so it converts the *whole*
-# [L, ...] buffer to float32 and back around every write - per layer, per step - and loses the in-place
-# update; that made a bfloat16 cache ~2x slower per decode step than float32 (~7x under vmap). uint16
-# writes stay in place and the stored bits are identical.
-BITS_DTYPE = jnp.uint16
-
-
-def logical_dtype(buf: jax.Array):
-    return jnp.dtype(jnp.bfloat16) if buf.dtype == BITS_DTYPE else buf.dtype
-
-
-def read_layer(buf: jax.Array, layer) -> jax.Array:
-    """One layer of a K/V buffer, in its logical dtype."""
-    x = buf[layer]
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
-
-
-def write_kv(buf: jax.Array, idx, update: jax.Array) -> jax.Array:
-    """buf.at[idx].set(update, mode="drop") for a K/V buffer in its storage dtype (bits or not)."""
-    update = update.astype(logical_dtype(buf))
-    if buf.dtype == BITS_DTYPE:
-        update = jax.lax.bitcast_convert_type(update, BITS_DTYPE)
-    return buf.at[idx].set(update, mode="drop")
-
-
-def gather_layer_slots(buf: jax.Array, layer, slots_BxR) -> jax.Array:
-    """buf[layer, b, h, slots_BxR[b]] for an [L, B, Hkv, N, D] buffer: [B, Hkv, R, D] as stored, one gather from
-    the whole buffer (a slice of the layer would be a copy of its whole store, see recall.write_cold)."""
-    B, H = buf.shape[1], buf.shape[2]
-    return buf[layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots_BxR[:, None, :]]
-
-
-# Up to this many runs (batch rows x runs per row), read_layer_runs slices each run; more take one gather.
-SLICED_RUNS_MAX = 64
-
-
-def run_slots(starts_BxM: jax.Array, n: int) -> jax.Array:
-    """The slots of runs of n consecutive slots from each start: [B, M * n]."""
-    B, M = starts_BxM.shape
-    return (starts_BxM[:, :, None] + jnp.arange(n, dtype=starts_BxM.dtype)).reshape(B, M * n)
-
-
-def read_layer_runs(buf: jax.Array, layer, starts_BxM: jax.Array, n: int) -> jax.Array:
-    """buf[layer, b, :, s : s + n] for each start s of starts_BxM[b], joined along the slots: [B, Hkv, M * n, D] as
-    stored, the values of gather_layer_slots(buf, layer, run_slots(starts_BxM, n)). Every start must leave n slots
-    (pages and blocks of pages do). XLA:CPU gathers element by element (index arithmetic for every value), while a
-    dynamic slice copies rows: each run is sliced from the whole buffer (never a slice of the layer, see
-    recall.write_cold), up to SLICED_RUNS_MAX runs (docs/recall_tier.md §11)."""
-    B, H, D = buf.shape[1], buf.shape[2], buf.shape[4]
-    M = starts_BxM.shape[1]
-    if B * M > SLICED_RUNS_MAX:
-        return gather_layer_slots(buf, layer, run_slots(starts_BxM, n))
-    zero = jnp.zeros((), starts_BxM.dtype)
-    layer = jnp.asarray(layer, starts_BxM.dtype)
-    rows = [jnp.concatenate([jax.lax.dynamic_slice(buf, (layer, jnp.asarray(b, starts_BxM.dtype), zero,
-                                                         starts_BxM[b, m], zero), (1, 1, H, n, D))[0]
-                             for m in range(M)], axis=2) for b in range(B)]
-    return jnp.concatenate(rows, axis=0)

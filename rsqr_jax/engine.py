@@ -41,11 +41,101 @@ import jax.numpy as jnp
 import numpy as np
 
 from rsqr_jax import policy as P
-from rsqr_jax.cache import KVCache, init_cache, init_policy_cache
+from rsqr_jax.cache import KV_FIELDS, KVCache, init_cache, init_policy_cache
+from rsqr_jax.kernels.store import BITS_DTYPE
 from rsqr_jax.policy import Policy
+from rsqr_jax.recall import config_of
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, SamplingValues, push_recent, sample
 from rsqr_jax.spec import CacheSpec, validate
-from rsqr_jax.update import step
+from rsqr_jax.update import StepPlan, commit, plan_step
+
+
+# ----------------------------------------------------------------------------------------------------
+# One step of a chunk: plan it, run the model (whose layers apply the plan), commit it.
+
+ApplyFn = Callable  # (params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache)
+
+
+def _bits_on_cpu(cache: KVCache) -> bool:
+    return cache.win_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
+def _kv_bitcast(cache: KVCache, dtype) -> KVCache:
+    cast = lambda x: jax.lax.bitcast_convert_type(x, dtype)  # noqa: E731
+    cold = cache.cold if cache.cold is None else cache.cold.replace(k=cast(cache.cold.k), v=cast(cache.cold.v))
+    return cache.replace(cold=cold, **{f: cast(getattr(cache, f)) for f in KV_FIELDS})
+
+
+def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
+    """Consolidation: recompute K/V of every cached token by a forward pass over the cached ids at their
+    ranks 0..n-1 (fresh full-attention cache), scatter them back, and take this chunk's logits from it."""
+    L, B, H, W, D = cache.win_k.shape
+    S = cache.surv_k.shape[3]
+    n_cap = W + S
+    up = plan.upkeep
+    win_in = up.win_rank_W >= 0
+    surv_att = plan.kernel.surv_valid_S
+    ids = jnp.zeros((B, n_cap), jnp.int32)
+    ids = ids.at[:, jnp.where(win_in, up.win_rank_W, n_cap)].set(cache.win_tok, mode="drop")
+    if S:
+        ids = ids.at[:, jnp.where(surv_att, up.surv_rank_S, n_cap)].set(cache.surv_tok, mode="drop")
+    n_cached = jnp.sum(win_in) + jnp.sum(surv_att)
+    fresh = init_cache(CacheSpec(L, B, H, D, n_cap, 0, str(cache.win_k.dtype), max_chunk=n_cap))
+    logits_all, fresh = apply_fn(params, ids, fresh, plan_step(fresh, P.full(), n_cap, n_cached))
+
+    def gather(fresh_kv, dst, mask, rank):
+        """dst with the entries in `mask` replaced by the fresh K or V of the token at `rank`."""
+        src = jnp.take(fresh_kv, jnp.clip(rank, 0, n_cap - 1), axis=3)
+        return jnp.where(mask[:, None], src, dst)
+
+    surv_live = up.surv_rank_S >= 0
+    win_k = gather(fresh.win_k, cache.win_k, win_in, up.win_rank_W)
+    win_v = gather(fresh.win_v, cache.win_v, win_in, up.win_rank_W)
+    surv_k = gather(fresh.win_k, cache.surv_k, surv_live, up.surv_rank_S) if S else cache.surv_k
+    surv_v = gather(fresh.win_v, cache.surv_v, surv_live, up.surv_rank_S) if S else cache.surv_v
+    logits = jnp.take(logits_all, jnp.clip(up.q_rank_C, 0, n_cap - 1), axis=1)
+    return logits, cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v)
+
+
+def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
+         n_valid: jax.Array | int | None = None, *, last_logits: bool = False,
+         recall: R.RecallConfig | None = None) -> tuple[jax.Array, KVCache]:
+    """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache.
+
+    last_logits (static): only the last real token's logits, [B, 1, V] (what sampling reads): the plan names that
+    row (StepPlan.logits_row) for a model that computes only it; another model's rows are taken here.
+    recall (static, rsqr_jax.recall.config_of(spec)): the recall tier's settings (`plan_step`)."""
+    C = tokens_BxC.shape[1]
+    plan = plan_step(cache, policy, C, n_valid, recall=recall)
+    row = None
+    if last_logits:
+        row = jnp.maximum(jnp.asarray(C if n_valid is None else n_valid, jnp.int32) - 1, 0)
+        plan = dataclasses.replace(plan, logits_row=row)
+
+    def picked(logits):  # [B, C or 1, V] -> [B, 1, V] under last_logits
+        return logits if row is None or logits.shape[1] == 1 else jax.lax.dynamic_slice_in_dim(logits, row, 1, axis=1)
+
+    if cache.win_tok.shape[1]:
+        cache = cache.replace(win_tok=cache.win_tok.at[:, plan.writes.win_slot_C].set(tokens_BxC, mode="drop"))
+    if cache.surv_tok.shape[1]:
+        cache = cache.replace(surv_tok=cache.surv_tok.at[:, plan.writes.surv_slot_C].set(tokens_BxC, mode="drop"))
+
+    def forward(cache):
+        if not _bits_on_cpu(cache):
+            logits, cache = apply_fn(params, tokens_BxC, cache, plan)
+            return picked(logits), cache
+        logits, bits = apply_fn(params, tokens_BxC, _kv_bitcast(cache, BITS_DTYPE), plan)
+        return picked(logits), _kv_bitcast(bits, jnp.bfloat16)
+
+    def replay(cache):
+        logits, cache = _replay(apply_fn, params, cache, plan)
+        return picked(logits), cache
+
+    if cache.win_tok.shape[1]:
+        logits, cache = jax.lax.cond(plan.upkeep.replay, replay, forward, cache)
+    else:
+        logits, cache = forward(cache)
+    return logits, commit(cache, plan)
 
 # How often each compiled function has been traced (a test proves one compilation per configuration).
 TRACES: collections.Counter = collections.Counter()
@@ -102,8 +192,11 @@ class Decoder:
     vmap_streams: bool = False
     repeat_last_n: int = 0
     max_candidates: int = DEFAULT_MAX_CANDIDATES
+    # the recall tier's static settings of every step (rsqr_jax.recall.config_of(spec)), derived once here
+    recall: Any = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "recall", config_of(self.spec))
         if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < 0:
             raise ValueError(f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}")
         if isinstance(self.max_candidates, bool) or not isinstance(self.max_candidates, int) or self.max_candidates < 1:
@@ -291,7 +384,7 @@ def _jit(donate: int):
 def _feed_body(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
     def fn(cache, policy):
         return step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid,
-                    **dec.spec.recall_args)
+                    recall=dec.recall)
 
     logits, cache = dec._map(fn, (0, 0))(cache, policy)
     cache, logits = dec._pin(cache, logits)
@@ -310,7 +403,7 @@ def _advance(dec: Decoder, params, tokens_BxC, cache, policy, n_valid):
 
 def _sample_step(dec: Decoder, params, tokens_BxC, cache, policy, n_valid, state: SamplerState, values):
     logits, cache = step(dec.apply_fn, params, tokens_BxC, cache, dec._policy(policy), n_valid, last_logits=True,
-                         **dec.spec.recall_args)
+                         recall=dec.recall)
     recent = push_recent(state.recent, tokens_BxC, n_valid)
     rng, sub = jax.random.split(state.rng)
     last_BxV = logits[:, 0]  # the last real token's (step's last_logits)
@@ -362,7 +455,7 @@ def _stream_feed_body(dec: Decoder, params, tokens_NxC, cache, policy, n_valid_N
 
     def one(tokens_C, cache, n_valid):
         logits, cache = step(dec.apply_fn, params, tokens_C[None], cache, dec._policy(policy), n_valid,
-                             **dec.spec.recall_args)
+                             recall=dec.recall)
         return logits[0], cache
 
     return dec._map(one, None, (0, 0, 0))(tokens_NxC, cache, n_valid_N)
@@ -418,7 +511,7 @@ def _score(dec: Decoder, params, cache, policy, tokens_KxBxC, targets_KxBxC, n_v
         def body(cache, xs):
             tokens, targets, n_valid = xs
             logits, cache = step(dec.apply_fn, params, tokens, cache, pol, n_valid,
-                                 **dec.spec.recall_args)
+                                 recall=dec.recall)
             logp = jax.nn.log_softmax(logits, axis=-1)
             return cache, -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 

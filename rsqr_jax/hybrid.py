@@ -5,7 +5,7 @@ rotated once, at their global positions, when they arrive, and never touched aga
 distance is the true distance, which is what the model was trained on. So a local layer keeps a ring of w slots
 (`KVCache.loc_k` / `loc_v`, `[Lloc, B, Hkv, w, D]`, positions `loc_pos [w]` shared by all local layers and rows)
 and nothing else: no survivors, no cold store, no renumbering. The policy applies to the global layers only,
-which keep the policy cache (`win_*`, `surv_*`, `cold_*`) with one layer entry per global layer.
+which keep the policy cache (`win_*`, `surv_*`, `cold`) with one layer entry per global layer.
 
 A chunk attends over the ring as it was before the chunk plus the chunk's own keys (so a chunk longer than the
 window still sees, for each query, exactly its last w positions), through the kernel contract with an empty
@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from rsqr_jax import attention
-from rsqr_jax.cache import KVCache, logical_dtype, read_layer, write_kv
-from rsqr_jax.rope import rotate_keys
+from rsqr_jax.cache import KVCache
+from rsqr_jax.kernels.store import logical_dtype, read_layer, write_kv
+from rsqr_jax.kernels.exact_rope import rotate_keys
 from rsqr_jax.update import StepPlan
 
 

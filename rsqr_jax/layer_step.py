@@ -10,21 +10,20 @@ import jax
 import jax.numpy as jnp
 
 from rsqr_jax import attention
-from rsqr_jax.cache import KVCache, logical_dtype, read_layer, write_kv
-from rsqr_jax.kernels.recalled_attention import StoredRuns
-from rsqr_jax.recall import (choose_pages_to_recall, extend_window_segment, read_cold_runs, recalled_layout,
-                             write_cold)
-from rsqr_jax.rope import rotate_keys
+from rsqr_jax import recall as R
+from rsqr_jax.cache import KVCache
+from rsqr_jax.kernels.store import logical_dtype, read_layer, write_kv
+from rsqr_jax.kernels.exact_rope import rotate_keys
 from rsqr_jax.update import StepPlan
 
 
 def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array, cache: KVCache,
                  plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
-    """Write this chunk's K/V of layer `layer` and run the policy's upkeep on that layer.
+    """Write this chunk's K/V of layer `layer` (into the cold store too, where there is one) and run the policy's
+    upkeep on that layer.
 
     Returns the cache (only K/V arrays change: dynamic-update-slices of the scan carry, in place under
-    jit), this layer's kernel segments (win_k, win_v, seg_k, seg_v), each [B, Hkv, N, D], and with a cold
-    store readers of this layer's page summaries (`write_cold`; None without one).
+    jit) and this layer's kernel segments (win_k, win_v, seg_k, seg_v), each [B, Hkv, N, D].
     """
     wr, up = plan.writes, plan.upkeep
     dt = logical_dtype(cache.win_k)
@@ -72,10 +71,9 @@ def update_layer(layer: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Arra
     if surv_k_rot.shape[3]:
         seg_surv_k = jax.lax.cond(up.use_precompute, lambda: read_layer(surv_k_rot, layer), lambda: seg_surv_k)
     cache = cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v, surv_k_rot=surv_k_rot)
-    summaries = None
-    if cache.cold_pos.shape[0]:
-        cache, summaries = write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache, plan, inv_freq)
-    return cache, (seg_win_k, read_layer(win_v, layer), seg_surv_k, read_layer(surv_v, layer)), summaries
+    if cache.cold is not None:
+        cache = cache.replace(cold=R.write_cold(cache.cold, layer, k_BxHxCxD, v_BxHxCxD, plan.recall, inv_freq))
+    return cache, (seg_win_k, read_layer(win_v, layer), seg_surv_k, read_layer(surv_v, layer))
 
 
 def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array, v_BxCxHkvxD: jax.Array,
@@ -89,8 +87,7 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     Returns the attention output [B, C, Hq, D] and the cache; positions are committed once per step
     by `step` (from `plan.next`), not here.
     """
-    cache, (win_k, win_v, surv_k, surv_v), summaries = update_layer(layer, k_BxCxHkvxD, v_BxCxHkvxD, cache, plan,
-                                                                    inv_freq)
+    cache, (win_k, win_v, surv_k, surv_v) = update_layer(layer, k_BxCxHkvxD, v_BxCxHkvxD, cache, plan, inv_freq)
     ka = plan.kernel
     B = q_BxCxHqxD.shape[0]
     bc = lambda x: jnp.broadcast_to(x, (B,) + x.shape)  # noqa: E731
@@ -105,10 +102,10 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
                                 raw_tail=raw_tail)
 
     rc = plan.recall
-    if not rc.max_pages:
+    if rc is None or not rc.max_pages:
         return attend(*plain_win, *plain), cache
 
-    Pg = cache.cold_pos.shape[0] // cache.cold_sum.shape[3]
+    cold = cache.cold
     # ColdStore.share_from: a layer attends the pages its source layer chose this step (layers run in order, so
     # the source has written its choice) and scores nothing, or, with source -1, recalls nothing; a layer that
     # is its own source chooses.
@@ -118,34 +115,28 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
         chooser, now = jnp.maximum(source, 0), rc.reselect_now & (source == layer)
         if -1 in rc.share_from:  # static: only then does a layer's recall depend on which layer it is
             recalls = source >= 0
-    kept = (cache.cold_choice[chooser], cache.cold_choice_on[chooser]) if rc.keeps_choice else None
+    kept = (cold.choice[chooser], cold.choice_on[chooser]) if rc.keeps_choice else None
 
     def with_recall():  # the recall tier (rsqr_jax.recall)
-        read_sum, read_lo, read_hi, glob = summaries
-        gather_kv = lambda starts, n: read_cold_runs(cache, layer, starts, n)  # noqa: E731
-
         def choose():
-            return choose_pages_to_recall(q_BxCxHqxD, gather_kv, read_sum(), read_lo(), read_hi(), glob,
-                                          plan.next.cold_pos, rc, inv_freq)
+            return R.choose_pages_to_recall(q_BxCxHqxD, cold, layer, rc, inv_freq)
 
         # ColdStore.reselect > 1: between scorings the layer attends the pages it chose last (only the choice
         # is kept: their tokens are gathered and checked afresh every step).
         idx, active = jax.lax.cond(now, choose, lambda: kept) if kept is not None else choose()
-        here = lambda: recalled_layout(idx, active, plan.next.cold_pos, Pg, rc, *plain[2:])  # noqa: E731
+        here = lambda: R.recalled_layout(idx, active, rc.pos_Nc, cold.page_size, rc, *plain[2:])  # noqa: E731
         if rc.kept_layout is None:
             lay = here()
         else:  # a step that chooses nothing attends the kept choices, whose layout the plan holds per chooser
-            row = jnp.asarray(rc.chooser_rows(cache.cold_choice.shape[0]), jnp.int32)[chooser]
+            row = jnp.asarray(rc.chooser_rows(cold.choice.shape[0]), jnp.int32)[chooser]
             lay = jax.lax.cond(rc.reselect_now, here, lambda: jax.tree.map(lambda x: x[row], rc.kept_layout))
         if rc.placement == "rank":  # in the raw segment, at their ranks, read where they lie by the kernel that can
-            tail = StoredRuns(cache.cold_k, cache.cold_v, layer, idx * Pg, Pg, lay.rec_rot_pos_BxR, lay.valid_BxR,
-                              lambda: gather_kv(idx * Pg, Pg))
             out = attend(*plain_win, surv_k, surv_v, lay.surv_rot_pos_BxS, surv_valid, lay.q_pos_surv_BxC,
-                         raw_tail=tail)
+                         raw_tail=R.stored_runs(cold, layer, idx, lay))
         else:
-            rec_k, rec_v = gather_kv(idx * Pg, Pg)
-            out = attend(*extend_window_segment(*plain_win, rc, rec_k, rec_v, lay.gpos_BxR, lay.valid_BxR, inv_freq),
-                         *plain)
+            rec_k, rec_v = R.read_cold_runs(cold, layer, idx * cold.page_size, cold.page_size)
+            out = attend(*R.extend_window_segment(*plain_win, rc, rec_k, rec_v, lay.gpos_BxR, lay.valid_BxR,
+                                                  inv_freq), *plain)
         return out, (idx, active)
 
     if kept is None:  # the choice of this step only
@@ -163,5 +154,5 @@ def attend_layer(layer: jax.Array, q_BxCxHqxD: jax.Array, k_BxCxHkvxD: jax.Array
     # a layer without recall this step attends as plain rsqr and keeps its choice
     out, (idx, active) = (with_recall() if live is None else
                           jax.lax.cond(live, with_recall, lambda: (attend(*plain_win, *plain), kept)))
-    return out, cache.replace(cold_choice=cache.cold_choice.at[layer].set(idx),
-                              cold_choice_on=cache.cold_choice_on.at[layer].set(active))
+    return out, cache.replace(cold=cold.replace(choice=cold.choice.at[layer].set(idx),
+                                                choice_on=cold.choice_on.at[layer].set(active)))

@@ -1,9 +1,12 @@
-"""The recall tier (docs/design.md §3b), the one module that writes and reads the cold store: each layer's
-raw K/V into the cold ring and its page summaries (`write_cold`), page scores (the query against each page's
-best or mean key, or Quest's per-channel bound; on CPU the int8 copy's through kernels.page_scores), the top-R
-choice with neighbours, the recalled K/V (`read_cold_runs`), and where the recalled tokens sit
-(`recalled_layout`: in the raw segment at their ranks, or in the window segment, `extend_window_segment`). Where each
-token's cold slot is (the ring's bookkeeping) is planned once per step with the rest (rsqr_jax.update)."""
+"""The recall tier: a cold store of every evicted token's raw K/V, and each layer's recall of its best pages.
+
+It is the one module that knows the store: its state (`ColdState`, the cache's optional `cold` part: absent when
+recall is off), where each new token goes in its ring (`plan_ring`, once per step), the writes of a layer's raw K/V
+and of the page summaries its rule scores (`write_cold`), the scores and the top-R choice with neighbours
+(`choose_pages_to_recall`), and where the recalled tokens sit (`recalled_layout`: in the raw segment at their
+ranks, read where they lie as a `kernels.store.StoredRuns`; or added to the window segment,
+`extend_window_segment`). The step (rsqr_jax.update, rsqr_jax.layer_step) calls it; it calls only kernels.
+"""
 
 from __future__ import annotations
 
@@ -12,18 +15,107 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from typing import TYPE_CHECKING
-
-from rsqr_jax.cache import BITS_DTYPE, gather_layer_slots, read_layer_runs, write_kv
 from rsqr_jax.kernels import page_scores as page_scores_kernel
 from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split
+from rsqr_jax.kernels.store import StoredRuns, as_logical, gather_layer_slots, read_layer_runs, write_kv
 from rsqr_jax.policy import order_index
-from rsqr_jax.rope import rotate_keys
+from rsqr_jax.kernels.exact_rope import rotate_keys
+from rsqr_jax.spec import CacheSpec
 
-if TYPE_CHECKING:
-    from rsqr_jax.cache import KVCache
-    from rsqr_jax.update import StepPlan
+# The state's arrays by their names in a session file (and in KVCache's flat view, rsqr_jax.cache.cache_arrays).
+FILE_NAMES = {"k": "cold_k", "v": "cold_v", "pos": "cold_pos", "sums": "cold_sum", "lo": "cold_lo", "hi": "cold_hi",
+              "scoring": "cold_k_glob", "choice": "cold_choice", "choice_on": "cold_choice_on", "step": "cold_step"}
+# Each array's axis that counts ring slots, or pages (one page = page_size slots): what a session file cuts.
+SLOT_AXES = {"k": 3, "v": 3, "scoring": 3, "pos": 0}
+PAGE_AXES = {"sums": 3, "lo": 3, "hi": 3}
+
+
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=["page_size"],
+                   data_fields=list(FILE_NAMES))
+@dataclasses.dataclass(frozen=True)
+class ColdState:
+    """The cold store of every layer (L), stacked like the cache's K/V. Every non-sink token is written raw on
+    arrival at ring slot (r - N) mod Nc (r: its stream-relative position, N: the sinks), so the ring is made of
+    pages of page_size consecutive tokens; a token is recallable once it has left the window.
+
+    k, v [L, B, Hkv, Nc, D]: raw K/V as stored (kernels.store). pos [Nc]: each slot's global position (-1 = empty).
+    The page rule's summaries, each present only for the rules that read it (else None):
+    sums [L, B, Hkv, Np, D] float32, each page's sum of its keys rotated at their global positions ("mean",
+    "shortlist"); lo / hi, their per-channel minimum and maximum ("quest"); scoring [L, B, Hkv, Nc, D] float32 every
+    key rotated at its global position ("max"; with score_dtype "int8" int32 [.., D / 4 + 1], each key's int8 codes
+    four to a word, then its float32 scale's bits: pack_int8_keys).
+    choice / choice_on [L, B, M], step [1]: with a kept choice (ColdStore.reselect > 1, or share_from), the pages
+    each layer chose when it last scored the store (M = pages gathered, with an active mask) and the steps since
+    a prompt (when it scores again); None otherwise."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    sums: jax.Array | None
+    lo: jax.Array | None
+    hi: jax.Array | None
+    scoring: jax.Array | None
+    choice: jax.Array | None
+    choice_on: jax.Array | None
+    step: jax.Array | None
+    page_size: int
+
+    def replace(self, **kw) -> "ColdState":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def n_pages(self) -> int:
+        return self.pos.shape[-1] // self.page_size
+
+
+def init_cold(spec: CacheSpec, kv_dtype) -> ColdState | None:
+    """An empty cold store for `spec` (None without one), K/V in kv_dtype."""
+    if spec.cold is None:
+        return None
+    L, B, H, D = spec.num_layers, spec.batch, spec.num_kv_heads, spec.head_dim
+    Nc, Np = spec.cold_slots, spec.cold_pages
+    rule = spec.page_score
+    pages = lambda: jnp.zeros((L, B, H, Np, D), jnp.float32)  # noqa: E731
+    row_dtype, row_width = spec.scoring_copy_row
+    M = spec.recall_pages_gathered
+    return ColdState(
+        k=jnp.zeros((L, B, H, Nc, D), kv_dtype), v=jnp.zeros((L, B, H, Nc, D), kv_dtype),
+        pos=jnp.full((Nc,), -1, jnp.int32),
+        sums=pages() if spec.keeps_page_sums else None,
+        lo=pages() if rule == "quest" else None, hi=pages() if rule == "quest" else None,
+        scoring=jnp.zeros((L, B, H, Nc, row_width), jnp.dtype(row_dtype)) if rule == "max" else None,
+        choice=jnp.zeros((L, B, M), jnp.int32) if spec.reselects else None,
+        choice_on=jnp.zeros((L, B, M), bool) if spec.reselects else None,
+        step=jnp.zeros((1,), jnp.int32) if spec.reselects else None,
+        page_size=spec.cold.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallConfig:
+    """The static settings of recall in one compiled step: max_pages chosen per layer (0: the store is written,
+    nothing recalled), neighbors on each side of a chosen page, the "shortlist" rule's page count, the rule, where
+    recalled tokens sit, how often a layer chooses afresh, and per layer the layer whose choice it attends (None:
+    its own; ColdStore.choice_sources)."""
+
+    max_pages: int = 0
+    neighbors: int = 0
+    shortlist: int = 0
+    page_score: str = "mean"
+    placement: str = "rank"
+    reselect: int = 1
+    share_from: tuple[int, ...] | None = None
+
+
+def config_of(spec: CacheSpec) -> RecallConfig | None:
+    """The recall settings of a cache spec (None without a cold store)."""
+    if spec.cold is None:
+        return None
+    return RecallConfig(max_pages=spec.max_recall_pages, neighbors=spec.cold.neighbors,
+                        shortlist=spec.shortlist_pages, page_score=spec.cold.page_score,
+                        placement=spec.cold.placement, reselect=spec.cold.reselect,
+                        share_from=spec.cold.choice_sources(spec.num_layers))
 
 
 # Most pages scored per block while the store fills (live_page_scores): a layer scores only the blocks that hold a
@@ -43,29 +135,33 @@ def score_block_pages(n_pages: int, most: int) -> int:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    meta_fields=["max_pages", "neighbors", "shortlist", "page_score", "score_block", "placement",
-                                "keeps_choice", "share_from"],
+                                "keeps_choice", "share_from", "page_size"],
                    data_fields=["k_pages", "token_valid_Nc", "surv_gpos_S", "q_global_C", "q_real_C", "in_kernel",
-                                "live_pages", "fixed_pos", "reselect_now", "kept_layout"])
+                                "live_pages", "fixed_pos", "reselect_now", "kept_layout", "slot_C", "page_C",
+                                "first_C", "pos_Nc", "next_step"])
 @dataclasses.dataclass(frozen=True)
 class Recall:
-    """What a layer needs to recall cold pages (DESIGN section 3b). k_pages: the policy's recall_pages;
-    token_valid_Nc: cold slots holding a token that has left the window; surv_gpos_S: the survivors'
-    global positions (for deduplication and ranks); q_global_C / q_real_C: the chunk's positions and
-    which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
-    max_pages (static): pages chosen per layer (0 = no recall in this compilation); neighbors (static): pages
-    on each side of a chosen page gathered with it; shortlist (static): with the "shortlist" rule, how many
-    pages of best mean key are rescored by their best token; page_score (static): the rule
-    (spec.PAGE_SCORES), which names the summaries the cold store keeps: per-channel bounds for "quest", a
-    scoring copy of every key for "max" (never inferred from which arrays are empty); live_pages: the leading pages that may hold a
-    recallable token (the ring fills from slot 0 until it wraps; 0 = nothing to recall this step, or
-    k_pages = 0: the layers skip recall); score_block (static): pages scored per block of that prefix (0 =
-    every page, every step); placement (static, spec.PLACEMENTS): where recalled tokens sit; fixed_pos: the
-    global position the "fixed" placement rotates every recalled key at (the chunk's first position minus the
-    policy's window); keeps_choice (static): layers keep their page choice in the cache between scorings
-    (ColdStore.reselect > 1, or share_from); reselect_now: this step scores the store and chooses afresh;
-    share_from (static, ColdStore.choice_sources; None = every layer chooses): per layer, the layer whose choice it
-    attends (-1: none); kept_layout (with a kept choice; None otherwise): recalled_layout of every choosing layer's
-    kept choice (a leading axis over choosers(L)), what the layers attend at a step that does not choose."""
+    """One step's plan of the recall tier, shared by every layer (`plan_ring` makes it).
+
+    k_pages: the policy's recall_pages; token_valid_Nc: cold slots holding a token that has left the window;
+    surv_gpos_S: the survivors' global positions (for deduplication and ranks); q_global_C / q_real_C: the chunk's
+    positions and which of its rows are real; in_kernel: survivor keys are rotated at their rank in the kernel;
+    live_pages: the leading pages that may hold a recallable token (the ring fills from slot 0 until it wraps; 0 =
+    nothing to recall this step, or k_pages = 0: the layers skip recall); fixed_pos: the global position the
+    "fixed" placement rotates every recalled key at (the chunk's first position minus the policy's window);
+    reselect_now: this step scores the store and chooses afresh; kept_layout (with a kept choice and reselect > 1;
+    None otherwise): recalled_layout of every choosing layer's kept choice (a leading axis over choosers(L)), what
+    the layers attend at a step that does not choose.
+    The ring's writes: slot_C / page_C, each chunk token's cold slot and page (out of range: not written), first_C:
+    it starts its page afresh; pos_Nc: every slot's global position after them; next_step: ColdState.step after
+    the step (None without a kept choice).
+    Static (RecallConfig): max_pages chosen per layer (0 = no recall in this compilation); neighbors: pages on each
+    side of a chosen page gathered with it; shortlist: with the "shortlist" rule, how many pages of best mean key
+    are rescored by their best token; page_score: the rule (spec.PAGE_SCORES); score_block: pages scored per block
+    of the filled prefix (0 = every page, every step); placement (spec.PLACEMENTS): where recalled tokens sit;
+    keeps_choice: layers keep their page choice in the cache between scorings; share_from (None = every layer
+    chooses): per layer, the layer whose choice it attends (-1: none); page_size: the store's (0: read from the
+    summaries' shapes)."""
 
     k_pages: jax.Array
     token_valid_Nc: jax.Array
@@ -85,6 +181,12 @@ class Recall:
     reselect_now: jax.Array | None = None
     share_from: tuple[int, ...] | None = None
     kept_layout: "RecalledLayout | None" = None
+    slot_C: jax.Array | None = None
+    page_C: jax.Array | None = None
+    first_C: jax.Array | None = None
+    pos_Nc: jax.Array | None = None
+    next_step: jax.Array | None = None
+    page_size: int = 0
 
     def choosers(self, n_layers: int) -> tuple[int, ...]:
         """The layers that choose pages, in order (every layer unless share_from says otherwise)."""
@@ -98,16 +200,74 @@ class Recall:
         rows = {c: i for i, c in enumerate(self.choosers(n_layers))}
         return tuple(rows.get(layer, 0) for layer in range(n_layers))
 
+
+def plan_ring(cold: ColdState, config: RecallConfig | None, *, k_pages, g_C, r_C, real_C, n_valid, n_sink, w0,
+              surv_gpos_S, in_kernel, window, surv_rot_pos_S, surv_valid_S, q_pos_surv_C) -> Recall:
+    """The recall tier's part of a step's plan: every real non-sink token of the chunk is written raw into the cold
+    ring at (r - N) mod Nc, and a page whose first slot is written starts afresh (its older remnants are no longer
+    recallable); then what is recallable (the tokens that have left the window, w0 = the window's first position),
+    and with a kept choice whether this step chooses afresh: every reselect-th step, and at every chunk of more
+    than one token (a prompt: the question's own rows choose the pages its first answer token reads)."""
+    config = RecallConfig() if config is None else config
+    Nc, Pg = cold.pos.shape[0], cold.page_size
+    n_pages = Nc // Pg
+    cold_C = real_C & (r_C >= n_sink)
+    slot_C = jnp.where(cold_C, (r_C - n_sink) % Nc, Nc)
+    page_C = jnp.where(cold_C, slot_C // Pg, n_pages)
+    first_C = cold_C & (slot_C % Pg == 0)
+    restart = jnp.zeros((n_pages,), jnp.int32).at[page_C].max(first_C.astype(jnp.int32), mode="drop") > 0
+    pos_Nc = jnp.where(jnp.repeat(restart, Pg), -1, cold.pos).at[slot_C].set(g_C, mode="drop")
+    # The recallable slots, and the leading pages that hold them (once per step, for every layer): before the ring
+    # wraps they are a prefix that grows with the stream, after it every page.
+    token_valid = (pos_Nc >= 0) & (pos_Nc < w0)
+    live_slots = jnp.max(jnp.where(token_valid, jnp.arange(1, Nc + 1, dtype=jnp.int32), 0))
+    live_pages = jnp.where(k_pages > 0, (live_slots + Pg - 1) // Pg, 0).astype(jnp.int32)
+    steps = jnp.sum(cold.step) if cold.step is not None else jnp.int32(0)
+    # a prompt restarts the count: the first decode step after it chooses afresh too (its one row is the answer's
+    # query, where the prompt's choice is a max over its rows)
+    next_step = None if cold.step is None else jnp.where(n_valid > 1, 0, cold.step + 1)
+    recall = Recall(k_pages=k_pages, token_valid_Nc=token_valid, surv_gpos_S=surv_gpos_S, q_global_C=g_C,
+                    q_real_C=real_C, in_kernel=in_kernel, max_pages=config.max_pages, neighbors=config.neighbors,
+                    shortlist=config.shortlist, page_score=config.page_score, live_pages=live_pages,
+                    score_block=SCORE_BLOCK_PAGES, placement=config.placement, fixed_pos=g_C[0] - window,
+                    keeps_choice=(config.reselect > 1 or config.share_from is not None) and bool(config.max_pages),
+                    share_from=config.share_from,
+                    reselect_now=(steps % config.reselect == 0) | (n_valid > 1),
+                    slot_C=slot_C, page_C=page_C, first_C=first_C, pos_Nc=pos_Nc, next_step=next_step, page_size=Pg)
+    if recall.keeps_choice and config.reselect > 1:
+        # A step that chooses nothing attends the kept choices: their tokens' positions, validity and ranks once per
+        # choosing layer here, not in every layer that attends them.
+        recall = dataclasses.replace(recall, kept_layout=kept_layouts(
+            cold.choice, cold.choice_on, pos_Nc, Pg, recall, surv_rot_pos_S, surv_valid_S, q_pos_surv_C,
+            recall.choosers(cold.choice.shape[0])))
+    return recall
+
+
+def commit_ring(cold: ColdState, recall: Recall) -> ColdState:
+    """The cold store's positions and step count after the step (its arrays were written by the layers)."""
+    return cold.replace(pos=recall.pos_Nc, step=recall.next_step)
+
+
 def page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
                 hi_BxHkvxNpxD=None, k_glob_BxHkvxNcxD=None) -> jax.Array:
     """Recall score of every cold page for this layer's queries, [B, Np] (-inf for pages with nothing
     recallable), maximised over the chunk's real rows, the query heads of a group and the KV heads. The
     query is rotated at its global position; a page is summarized by its keys rotated at theirs: the mean
     key (q . mean), or with lo/hi Quest's bound sum_d max(q_d lo_d, q_d hi_d) (an upper bound on q . k), or
-    with k_glob every key itself: the page's best recallable token, max q . k (the "max" rule; the mean
-    misses facts mid-stream, docs/recall_tier.md)."""
-    return _scores(_query_BxCxHkvxGxD(q_BxCxHqxD, cold_sum_BxHkvxNpxD.shape[1], recall, inv_freq), cold_sum_BxHkvxNpxD,
-                   cold_pos_Nc, recall.token_valid_Nc, recall.q_real_C, lo_BxHkvxNpxD, hi_BxHkvxNpxD, k_glob_BxHkvxNcxD)
+    with k_glob every key itself: the page's best recallable token, max q . k (the "max" rule; a page's mean key
+    misses a fact that stands out only in one token). cold_sum is None where the rule reads no sums; the page size
+    is the store's (Recall.page_size)."""
+    Hkv = next(x for x in (cold_sum_BxHkvxNpxD, lo_BxHkvxNpxD, k_glob_BxHkvxNcxD) if x is not None).shape[1]
+    return _scores(_query_BxCxHkvxGxD(q_BxCxHqxD, Hkv, recall, inv_freq), cold_sum_BxHkvxNpxD, cold_pos_Nc,
+                   recall.token_valid_Nc, recall.q_real_C, lo_BxHkvxNpxD, hi_BxHkvxNpxD, k_glob_BxHkvxNcxD,
+                   _n_pages(recall, cold_pos_Nc, cold_sum_BxHkvxNpxD, lo_BxHkvxNpxD))
+
+
+def _n_pages(recall: Recall, cold_pos_Nc, *summaries) -> int:
+    """Pages of the store: by the plan's page size, else by the page axis of the first summary given."""
+    if recall.page_size:
+        return cold_pos_Nc.shape[0] // recall.page_size
+    return next(x for x in summaries if x is not None).shape[2]
 
 
 def _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Array:
@@ -119,10 +279,9 @@ def _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv: int, recall: Recall, inv_freq) -> jax.Ar
 
 
 def _scores(q_BxCxHkvxGxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, valid_Nc, q_real_C, lo_BxHkvxNpxD, hi_BxHkvxNpxD,
-            k_glob_BxHkvxNcxD) -> jax.Array:
-    """page_scores of a run of consecutive pages (their summaries, slots' positions and validity): each page's
-    score depends on that page alone, so a block of pages scores exactly as it does inside the whole store."""
-    n_pages = cold_sum_BxHkvxNpxD.shape[2]
+            k_glob_BxHkvxNcxD, n_pages: int) -> jax.Array:
+    """page_scores of a run of n_pages consecutive pages (their summaries, slots' positions and validity): each
+    page's score depends on that page alone, so a block of pages scores exactly as it does inside the whole store."""
     Pg = cold_pos_Nc.shape[0] // n_pages
     count_Np = jnp.sum((cold_pos_Nc >= 0).reshape(n_pages, Pg), axis=1)
     if k_glob_BxHkvxNcxD is not None:
@@ -142,16 +301,19 @@ def _scores(q_BxCxHkvxGxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, valid_Nc, q_real_C,
 
 
 def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recall, inv_freq, lo_BxHkvxNpxD=None,
-                     hi_BxHkvxNpxD=None, gather_glob=None) -> jax.Array:
+                     hi_BxHkvxNpxD=None, gather_glob=None, *, n_kv_heads: int | None = None) -> jax.Array:
     """page_scores computed only over the first recall.live_pages pages: equal blocks of at most
     recall.score_block pages (score_block_pages) under a loop whose trip count is the number of blocks that hold anything
     (the last block is moved back to end at the last page; pages it scores twice get the same score), every
     other page -inf: the same scores within float32 rounding and the same ranking (each page's score depends on
     that page alone, but XLA may sum a block's dot in another order than the whole store's: 1 ulp on an AVX2
-    machine; tests/test_recall.py). gather_glob(starts_BxM, n) -> [B, Hkv, M * n, D]: the "max" rule's scoring copy
-    at the runs of n slots from those starts (None for the other rules). A store that fills pays for its fill, not its capacity."""
+    machine). gather_glob(starts_BxM, n) -> [B, Hkv, M * n, D]: the "max" rule's scoring copy at the runs of n slots
+    from those starts (None for the other rules; then n_kv_heads says Hkv where no summary is given). A store that
+    fills pays for its fill, not its capacity."""
     B = q_BxCxHqxD.shape[0]
-    Hkv, n_pages = cold_sum_BxHkvxNpxD.shape[1], cold_sum_BxHkvxNpxD.shape[2]
+    summary = cold_sum_BxHkvxNpxD if cold_sum_BxHkvxNpxD is not None else lo_BxHkvxNpxD
+    Hkv = summary.shape[1] if summary is not None else n_kv_heads
+    n_pages = _n_pages(recall, cold_pos_Nc, cold_sum_BxHkvxNpxD, lo_BxHkvxNpxD)
     Pg = cold_pos_Nc.shape[0] // n_pages
     M = score_block_pages(n_pages, recall.score_block)
     q_BxCxHkvxGxD = _query_BxCxHkvxGxD(q_BxCxHqxD, Hkv, recall, inv_freq)
@@ -159,14 +321,14 @@ def live_page_scores(q_BxCxHqxD, cold_sum_BxHkvxNpxD, cold_pos_Nc, recall: Recal
 
     def block(j, scores_BxNp):
         p0 = jnp.minimum(j * M, n_pages - M)
-        pages = lambda x: jax.lax.dynamic_slice_in_dim(x, p0, M, axis=2)  # noqa: E731
+        pages = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, p0, M, axis=2)  # noqa: E731
         slots = lambda x: jax.lax.dynamic_slice_in_dim(x, p0 * Pg, M * Pg)  # noqa: E731
         k = None
         if gather_glob is not None:
             k = gather_glob(jnp.broadcast_to(p0 * Pg, (B, 1)).astype(jnp.int32), M * Pg)
         s = _scores(q_BxCxHkvxGxD, pages(cold_sum_BxHkvxNpxD), slots(cold_pos_Nc), slots(recall.token_valid_Nc),
                     recall.q_real_C, pages(lo_BxHkvxNpxD) if quest else None,
-                    pages(hi_BxHkvxNpxD) if quest else None, k)
+                    pages(hi_BxHkvxNpxD) if quest else None, k, M)
         return jax.lax.dynamic_update_slice_in_dim(scores_BxNp, s, p0, axis=1)
 
     n_blocks = (recall.live_pages + M - 1) // M
@@ -223,7 +385,7 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, 
     """The "shortlist" rule: the recall.shortlist pages of best mean key (page_scores' "mean"), each rescored
     by its best recallable token, max q . k, from its raw keys (gather_k(starts_BxM, Pg) -> [B, Hkv, M * Pg, D]) rotated
     at their global positions; every other page -inf. The "max" rule's answer whenever its top pages are on
-    the shortlist, at O(store / page + shortlist * page) per step and no scoring copy (docs/recall_tier.md)."""
+    the shortlist, at O(store / page + shortlist * page) per step and no scoring copy."""
     B, C, Hq, D = q_BxCxHqxD.shape
     n_pages = mean_scores_BxNp.shape[1]
     Pg, M = cold_pos_Nc.shape[0] // n_pages, recall.shortlist
@@ -236,7 +398,7 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, 
         # Decode: a page holds consecutive positions base + j (written in one pass; older remnants are invalid),
         # so (R_t q) . (R_{base+j} k) = (R_{t-base} q) . (R_j k): the query turns once per page, the keys only by
         # the constant within-page offsets j (XLA:CPU folds that table; in a one-layer prototype per-key angles
-        # took 1.7x as long, docs/recall_tier.md).
+        # took 1.7x as long).
         cj, sj = rope_cos_sin(jnp.arange(Pg, dtype=jnp.int32), inv_freq)  # [Pg, D/2]
         k_rot = rotate_half_split(k_BxHkvxRxD.reshape(B, Hkv, M, Pg, D), cj, sj)
         cq, sq = rope_cos_sin(recall.q_global_C[None, :, None] - base_BxM[:, None, :], inv_freq)  # [B, C, M, D/2]
@@ -260,7 +422,7 @@ def shortlist_scores(q_BxCxHqxD, mean_scores_BxNp, cold_pos_Nc, recall: Recall, 
 
 # Up to this many pages, choose_pages picks them one at a time (a few passes over the scores each); more go through
 # one sort. Both give the same pages in the same order; on XLA:CPU the sort of a 64k-token store's 4096 pages was
-# a sizeable part of each layer's choice (docs/recall_tier.md section 10).
+# a sizeable part of each layer's choice.
 PICK_PAGES_MAX = 16
 
 
@@ -358,32 +520,52 @@ def _int8_kernel_scores(q_BxCxHqxD, copy: ScoringCopy, n_pages: int, cold_pos_Nc
                                                recall.q_real_C, covered, cold_pos_Nc.shape[0] // n_pages)
 
 
-def choose_pages_to_recall(q_BxCxHqxD, gather_kv, cold_sum, cold_lo, cold_hi, gather_glob, cold_pos_Nc,
-                           recall: Recall, inv_freq) -> tuple[jax.Array, jax.Array]:
-    """One layer's page choice, [B, M] page indices and an active mask (M = max_pages * (1 + 2 * neighbors)).
-    cold_sum / lo / hi [B, Hkv, Np or 0, D] are the layer's page summaries and gather_glob(starts_BxM, n) -> [B, Hkv,
-    M * n, D] reads its scoring copy of the keys (runs of n slots); recall.page_score says which of them the rule reads ("max": the copy,
-    "quest": lo / hi, "shortlist" and "mean": the sums). With recall.score_block only the filled pages are scored
+def layer_pages(buf: jax.Array, layer) -> jax.Array:
+    """One layer's page summaries [B, Hkv, Np, D] of a [L, B, Hkv, Np, D] stack: a gather from the whole stack (a
+    slice of the layer read next to the layer's write would copy every layer's summaries)."""
+    B, n_pages = buf.shape[1], buf.shape[3]
+    return gather_layer_slots(buf, layer, jnp.broadcast_to(jnp.arange(n_pages, dtype=jnp.int32), (B, n_pages)))
+
+
+def read_cold_runs(cold: ColdState, layer, starts_BxM, n: int) -> tuple[jax.Array, jax.Array]:
+    """Raw K and V [B, Hkv, M * n, D] of one layer's cold slots in runs of n from each start (the chosen pages), in
+    their logical dtype."""
+    return as_logical(read_layer_runs(cold.k, layer, starts_BxM, n)), as_logical(read_layer_runs(cold.v, layer,
+                                                                                                  starts_BxM, n))
+
+
+def choose_pages_to_recall(q_BxCxHqxD, cold: ColdState, layer, recall: Recall, inv_freq) -> tuple[jax.Array, jax.Array]:
+    """One layer's page choice, [B, M] page indices and an active mask (M = max_pages * (1 + 2 * neighbors)), from
+    what the rule reads of the store as this step's layer wrote it: the scoring copy ("max"), the per-channel
+    bounds ("quest") or the sums ("shortlist", "mean"). With recall.score_block only the filled pages are scored
     (live_page_scores; the same scores)."""
     B = q_BxCxHqxD.shape[0]
-    n_pages = cold_sum.shape[2]
-    quest = (cold_lo, cold_hi) if recall.page_score == "quest" else (None, None)
-    if _int8_kernel_applies(q_BxCxHqxD, gather_glob, recall):
-        scores = _int8_kernel_scores(q_BxCxHqxD, gather_glob, n_pages, cold_pos_Nc, recall, inv_freq)
+    n_pages, Hkv = cold.n_pages, cold.k.shape[2]
+    cold_pos_Nc = recall.pos_Nc
+    rule = recall.page_score
+    sums = layer_pages(cold.sums, layer) if rule in ("mean", "shortlist") else None
+    quest = (layer_pages(cold.lo, layer), layer_pages(cold.hi, layer)) if rule == "quest" else (None, None)
+    copy = ScoringCopy(cold.scoring, layer) if rule == "max" else None
+    if _int8_kernel_applies(q_BxCxHqxD, copy, recall):
+        scores = _int8_kernel_scores(q_BxCxHqxD, copy, n_pages, cold_pos_Nc, recall, inv_freq)
     elif recall.score_block:
-        scores = live_page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest,
-                                  gather_glob if recall.page_score == "max" else None)
+        scores = live_page_scores(q_BxCxHqxD, sums, cold_pos_Nc, recall, inv_freq, *quest, copy, n_kv_heads=Hkv)
     else:
-        k_glob = None
-        if recall.page_score == "max":
-            k_glob = gather_glob(jnp.zeros((B, 1), jnp.int32), cold_pos_Nc.shape[0])
-        scores = page_scores(q_BxCxHqxD, cold_sum, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
+        k_glob = copy(jnp.zeros((B, 1), jnp.int32), cold_pos_Nc.shape[0]) if copy is not None else None
+        scores = page_scores(q_BxCxHqxD, sums, cold_pos_Nc, recall, inv_freq, *quest, k_glob)
     if recall.shortlist:
-        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq, lambda s, n: gather_kv(s, n)[0])
+        scores = shortlist_scores(q_BxCxHqxD, scores, cold_pos_Nc, recall, inv_freq,
+                                  lambda s, n: read_cold_runs(cold, layer, s, n)[0])
     idx, active = choose_pages(scores, cold_pos_Nc, recall.k_pages, recall.max_pages)
     if recall.neighbors:
         idx, active = with_neighbors(idx, active, cold_pos_Nc, n_pages, recall.neighbors)
     return idx, active
+
+
+def stored_runs(cold: ColdState, layer, idx_BxM, layout: "RecalledLayout") -> StoredRuns:
+    """The chosen pages' tokens as more slots of the raw segment, where they lie in the store."""
+    Pg = cold.page_size
+    return StoredRuns(cold.k, cold.v, layer, idx_BxM * Pg, Pg, layout.rec_rot_pos_BxR, layout.valid_BxR)
 
 
 @functools.partial(jax.tree_util.register_dataclass, meta_fields=[],
@@ -408,7 +590,7 @@ def recalled_layout(idx_BxM, active_BxM, cold_pos_Nc, Pg: int, recall: Recall, s
     positions, and which are valid - a token that is also an attended survivor, on a page gathered twice, or no
     longer recallable (a kept choice whose page the ring has since restarted) is not. With them in the raw segment
     (sinks + survivors + recalled, ordered by global position), in the raw-survivor modes each key is rotated at its
-    rank and the survivor-segment query sits right after them (DESIGN section 3b)."""
+    rank and the survivor-segment query sits right after them."""
     B, M = idx_BxM.shape
     slots_BxR = (idx_BxM[:, :, None] * Pg + jnp.arange(Pg)).reshape(B, M * Pg)
     gpos = cold_pos_Nc[slots_BxR]
@@ -461,70 +643,30 @@ def extend_window_segment(win_k, win_v, win_pos_BxW, recall: Recall, rec_k, rec_
     return k, v, jnp.concatenate([win_pos_BxW, jnp.where(rec_valid_BxR, pos_BxR, -1)], axis=1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The cold store's writes and reads (one layer's part of a step; rsqr_jax.layer_step calls them).
-
-
-def write_cold(layer, k_BxHxCxD, v_BxHxCxD, cache: KVCache, plan: StepPlan, inv_freq) -> tuple[KVCache, tuple]:
-    """The chunk's raw K/V into the cold ring, and what the page rule reads of its keys rotated at their global
-    positions: each page's sum ("mean", "shortlist"), its per-channel min and max ("quest"), or every key in the
-    scoring copy ("max"). Only these are rotated; the stored key stays raw. A restarted page's summary starts
-    afresh.
-
-    Returns the cache and this layer's readers, for recall (which runs only while something is recallable):
-    of its summaries (sum, lo, hi), () -> [B, Hkv, pages, D] each, and of its scoring copy of the keys,
-    (starts_BxM, n) -> [B, Hkv, M * n, D], runs of n slots (the "max" rule; None otherwise; with the int8 copy, its
-    rows of words, [B, Hkv, M * n, D / 4 + 1]). Every write is a scatter at the chunk's
-    slots and pages into the [L, ...] buffer, in place; every read a gather from it, or slices of runs of slots
-    from it (cache.read_layer_runs) - never a slice of the layer: a slice read before or after the write made XLA copy all layers' summaries twice per layer,
-    5.7 GB per token for SmolLM2 with a 64k-token store; reading the layer's summary whole and writing it
-    back cost a slice, two copies and a write of it per layer and step, the store empty or not)."""
-    wr = plan.writes
-    at = (layer, slice(None), slice(None), wr.cold_slot_C)
-    cold_k = write_kv(cache.cold_k, at, jnp.moveaxis(k_BxHxCxD, 2, 0))
-    cold_v = write_kv(cache.cold_v, at, jnp.moveaxis(v_BxHxCxD, 2, 0))
-    rot_BxHxCxD = rotate_keys(k_BxHxCxD, plan.recall.q_global_C, inv_freq)
-    n_pages = cache.cold_sum.shape[3]
+def write_cold(cold: ColdState, layer, k_BxHxCxD, v_BxHxCxD, recall: Recall, inv_freq) -> ColdState:
+    """One layer's chunk of raw K/V into the cold ring, and what the page rule reads of its keys rotated at their
+    global positions: each page's sum ("mean", "shortlist"), its per-channel min and max ("quest"), or every key in
+    the scoring copy ("max"). Only these are rotated; the stored key stays raw. A restarted page's summary starts
+    afresh. Every write is a scatter at the chunk's slots and pages into the [L, ...] stack, in place (a slice of
+    the layer read before or after the write made XLA copy all layers' summaries twice per layer: 5.7 GB per token
+    for SmolLM2 with a 64k-token store)."""
+    at = (layer, slice(None), slice(None), recall.slot_C)
+    out = dict(k=write_kv(cold.k, at, jnp.moveaxis(k_BxHxCxD, 2, 0)), v=write_kv(cold.v, at, jnp.moveaxis(v_BxHxCxD, 2, 0)))
+    rot_BxHxCxD = rotate_keys(k_BxHxCxD, recall.q_global_C, inv_freq)
     # Out-of-range pages (tokens not stored) are dropped: reset the pages the chunk starts, then combine.
-    restart = (layer, slice(None), slice(None), jnp.where(wr.cold_first_C, wr.cold_page_C, n_pages))
-    page = (layer, slice(None), slice(None), wr.cold_page_C)
+    restart = (layer, slice(None), slice(None), jnp.where(recall.first_C, recall.page_C, cold.n_pages))
+    page = (layer, slice(None), slice(None), recall.page_C)
     rot_CxBxHxD = jnp.moveaxis(rot_BxHxCxD, 2, 0)
-    B = cache.cold_sum.shape[1]
-    all_pages = jnp.broadcast_to(jnp.arange(n_pages, dtype=jnp.int32), (B, n_pages))
 
     def summarize(buf, reset, combine):
-        buf = getattr(buf.at[restart].set(reset, mode="drop").at[page], combine)(rot_CxBxHxD, mode="drop")
-        return buf, lambda: gather_layer_slots(buf, layer, all_pages)
+        return getattr(buf.at[restart].set(reset, mode="drop").at[page], combine)(rot_CxBxHxD, mode="drop")
 
-    out = dict(cold_k=cold_k, cold_v=cold_v)
-    # The rule's own summaries only: a rule that reads no sums (spec.SUM_RULES) keeps none, rather than updating
-    # them in every layer at every step for nothing.
-    layer_sum = lambda: jnp.zeros(cache.cold_sum.shape[1:], cache.cold_sum.dtype)  # noqa: E731  (no sums kept)
-    if cache.cold_sum.shape[4]:
-        out["cold_sum"], layer_sum = summarize(cache.cold_sum, 0.0, "add")
-    lo = hi = lambda: jnp.zeros(cache.cold_lo.shape[1:], cache.cold_lo.dtype)  # noqa: E731  (no Quest pages)
-    glob = None
-    rule = plan.recall.page_score
-    if rule == "quest":
-        (out["cold_lo"], lo), (out["cold_hi"], hi) = (summarize(cache.cold_lo, jnp.inf, "min"),
-                                                      summarize(cache.cold_hi, -jnp.inf, "max"))
-    if rule == "max":
-        # The "max" rule's scoring copy: written in place like cold_k, and read back like the recalled K/V, as
-        # gathers of this layer's slots from the [L, ...] buffer (only the filled ones: recall.live_page_scores).
-        # A slice read (before or after the write) made XLA copy the whole buffer twice per layer (see the
-        # docstring).
+    if cold.sums is not None:
+        out["sums"] = summarize(cold.sums, 0.0, "add")
+    if cold.lo is not None:
+        out["lo"], out["hi"] = summarize(cold.lo, jnp.inf, "min"), summarize(cold.hi, -jnp.inf, "max")
+    if cold.scoring is not None:
         # ColdStore.score_dtype "int8": each key's codes and scale in one row of int32 words
-        rows = pack_int8_keys(rot_BxHxCxD) if cache.cold_k_glob.dtype == jnp.int32 else rot_BxHxCxD
-        k_glob = out["cold_k_glob"] = write_kv(cache.cold_k_glob, at, jnp.moveaxis(rows, 2, 0))
-        glob = ScoringCopy(k_glob, layer)
-    return cache.replace(**out), (layer_sum, lo, hi, glob)
-
-
-def read_cold_runs(cache: KVCache, layer, starts_BxM, n: int) -> tuple[jax.Array, jax.Array]:
-    """Raw K and V [B, Hkv, M * n, D] of one layer's cold slots in runs of n from each start (the chosen pages), in
-    their logical dtype."""
-    def take(buf):
-        x = read_layer_runs(buf, layer, starts_BxM, n)
-        return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if buf.dtype == BITS_DTYPE else x
-
-    return take(cache.cold_k), take(cache.cold_v)
+        rows = pack_int8_keys(rot_BxHxCxD) if cold.scoring.dtype == jnp.int32 else rot_BxHxCxD
+        out["scoring"] = write_kv(cold.scoring, at, jnp.moveaxis(rows, 2, 0))
+    return cold.replace(**out)

@@ -75,9 +75,3 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq) -> jax.Array:
     """Rotate x [..., H, D] at int32 positions pos [...] (broadcast over heads); float32 result."""
     cos, sin = rope_cos_sin(pos, inv_freq)
     return rotate_half_split(x, cos[..., None, :], sin[..., None, :])
-
-
-def rotate_keys(k_BxHxNxD: jax.Array, pos_N: jax.Array, inv_freq) -> jax.Array:
-    """R_pos k for keys [B, H, N, D] at positions pos_N [N] (float32 result): how the cache rotates what it stores."""
-    cos, sin = rope_cos_sin(pos_N, inv_freq)  # [N, D/2]
-    return rotate_half_split(k_BxHxNxD, cos, sin)

@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rsqr_jax.cache import (MAX_POSITION, KVCache, cold_slots_in_use, cut_cold_store, grow_cold_store, init_cache,
+from rsqr_jax.cache import (MAX_POSITION, KVCache, cache_arrays, cache_from_arrays, cold_slots_in_use, cut_cold_store,
+                            grow_cold_store, init_cache,
                             pin_span, pinned_count)
 from rsqr_jax.engine import Decoder, SamplerState, policy_values
 from rsqr_jax.host import release_free_heap
+from rsqr_jax.kernels.cpu_status import kernel_status
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy, host_policies
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling
@@ -75,6 +77,8 @@ class Session:
         self.apply_fn, self.params, self.spec, self.policy = apply_fn, params, spec, policy
         self.decoder = Decoder(apply_fn, spec, fixed_policy=policy_values(policy), gen_block=gen_block,
                                repeat_last_n=sampling.repeat_last_n, max_candidates=max_candidates)
+        if jax.default_backend() == "cpu":  # the CPU kernels are built and registered now, not inside a trace
+            kernel_status(build=True)
         self.sampling, self.seed = sampling, int(seed)
         self._values = sampling.values()
         self.eos_ids = frozenset(int(e) for e in eos_ids)
@@ -97,7 +101,7 @@ class Session:
 
         dtype: the cache's storage dtype. max_len: the positions a `full` policy's cache holds (required for
         it; the other policies are bounded by themselves). cold: the recall tier's cold store. pins: room for
-        that many pinned tokens (`pin_next`, `feed(..., pin=True)`; docs/design.md §3c). The other
+        that many pinned tokens (`pin_next`, `feed(..., pin=True)`). The other
         keywords (sampling, seed, eos_ids, vocab_size, gen_block, max_candidates) are the constructor's.
         """
         hosts = host_policies(policy)
@@ -200,7 +204,7 @@ class Session:
         return pinned_count(self.cache)
 
     def pin_next(self, n: int) -> None:
-        """Pin the next n tokens to be fed: kept forever, exactly, beside the sinks (docs/design.md §3c; the
+        """Pin the next n tokens to be fed: kept forever, exactly, beside the sinks (the
         system prompt, a first turn, llama.cpp's n_keep). Raises PinError (one line) past the session's room
         (`pins=` of `create`) or under a policy that keeps no pins; nothing changes then."""
         t = int(self.cache.t)
@@ -259,7 +263,7 @@ class Session:
         """
         if extra is not None:
             self.extra = dict(extra)
-        fields = {f.name: np.asarray(getattr(self.cache, f.name)) for f in dataclasses.fields(KVCache)}
+        fields = {k: np.asarray(v) for k, v in cache_arrays(self.cache).items()}
         cold_used = cold_slots_in_use(fields, self.spec)  # the still-empty rest of the cold store is not written
         fields = cut_cold_store(fields, cold_used, self.spec.cold.page_size if self.spec.cold else 1)
         arrays = {f"cache.{k}": v for k, v in fields.items()}
@@ -303,8 +307,8 @@ class Session:
             raise SessionFileError(f"{name} has cache spec {saved_spec}, expected {spec}")
         if policy is not None and policy.host() != header["policy"]:
             raise SessionFileError(f"{name} has policy {saved_policy.name}, expected {policy.name}")
-        expected = jax.eval_shape(lambda: init_cache(saved_spec))
-        cache_names = {f"cache.{f.name}" for f in dataclasses.fields(KVCache)}
+        expected = cache_arrays(jax.eval_shape(lambda: init_cache(saved_spec)))
+        cache_names = {f"cache.{k}" for k in expected}
         saved = header.get("cold_slots_saved")
         if saved != saved_spec.cold_slots:  # the store's never-written tail was not saved
             page = saved_spec.cold.page_size if saved_spec.cold else 1
@@ -316,10 +320,10 @@ class Session:
         if set(arrays) != cache_names | {"rng"} or recent is None:
             raise SessionFileError(f"{name} holds arrays {sorted(arrays) + (['recent'] if recent is not None else [])}, "
                                    f"expected {sorted(cache_names | {'rng', 'recent'})}")
-        for f in dataclasses.fields(KVCache):
-            a, e = arrays[f"cache.{f.name}"], getattr(expected, f.name)
+        for key, e in expected.items():
+            a = arrays[f"cache.{key}"]
             if a.shape != e.shape or a.dtype != e.dtype:
-                raise SessionFileError(f"{name}: array {f.name} is {a.dtype}{list(a.shape)} but its spec needs "
+                raise SessionFileError(f"{name}: array {key} is {a.dtype}{list(a.shape)} but its spec needs "
                                        f"{e.dtype}{list(e.shape)}")
         try:
             sampling = Sampling.from_json(header["sampling"])
@@ -340,7 +344,8 @@ class Session:
                 raise ValueError(f"counters t={t} start={start} n_tokens={header['n_tokens']}")
         except (TypeError, ValueError, KeyError) as e:
             raise SessionFileError(f"{name} holds an invalid session: {_one_line(e)}") from None
-        session.cache = KVCache(**{f.name: jnp.asarray(arrays[f"cache.{f.name}"]) for f in dataclasses.fields(KVCache)})
+        session.cache = cache_from_arrays({k[len("cache."):]: v for k, v in arrays.items() if k in cache_names},
+                                          saved_spec)
         session.rng = jnp.asarray(rng)
         session.recent = jnp.asarray(recent)
         session.pending = pending

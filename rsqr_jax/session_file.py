@@ -35,7 +35,7 @@ import numpy as np
 from rsqr_jax.policy import Policy
 
 FORMAT = "rsqr_jax.session"
-FORMAT_VERSION = 3  # one current format: a file of another version is refused with one line
+FORMAT_VERSION = 4  # one current format: a file of another version is refused with one line
 
 
 class SessionFileError(ValueError):

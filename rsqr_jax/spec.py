@@ -25,17 +25,16 @@ from rsqr_jax.presets import format_choice_sources, parse_choice_sources  # noqa
 PAGE_SCORES = ("mean", "quest", "max", "shortlist")
 # The rules that read each page's sum of keys (its mean key); the store of another rule keeps no sums.
 SUM_RULES = ("mean", "shortlist")
-# Shortlisted pages per recalled page: 4, 8, 16 answered 31, 33, 35 of 40 mid-stream facts; 16 gave every answer
-# "max" gave (docs/recall_tier.md section 6).
+# Shortlisted pages per recalled page: at 16 the shortlist held every page "max" would have chosen on the fact probe.
 SHORTLIST_PER_PAGE = 16
-# The default: "max" answers 35/40 mid-stream facts where "mean" answers 19/40 (docs/recall_tier.md), for
-# ~1.3x the per-token time of "mean" with the default 4096-token store (more for larger stores).
+# The default: "max" finds a fact that stands out in one token of its page, which a page's mean key averages away,
+# at a higher per-token cost than "mean" (it scores every key of the store).
 DEFAULT_PAGE_SCORE = "max"
 # How the "max" rule's scoring copy stores a key: "float32" (exact scores), or "int8" (codes and a float32 scale per
 # key and KV head, scored against the query quantized the same way by an int32 dot: the same facts on the probe, a
-# quarter of the copy's bytes, and faster where the scoring dominates; docs/recall_tier.md sections 10-11).
+# quarter of the copy's bytes, and faster where the scoring dominates).
 SCORE_DTYPES = ("float32", "int8")
-# Where recalled tokens sit on the query's timeline (docs/design.md §3b). Recalled keys are raw, so each is
+# Where recalled tokens sit on the query's timeline. Recalled keys are raw, so each is
 # rotated once from raw whatever the placement. "rank": at their rank among sinks, pins and survivors in the
 # raw segment (the survivor-segment query moves past them; distances stay bounded by the cache). "true": at
 # their global position, seen from the query at their true distance t - g (attended in the window segment,
@@ -43,7 +42,7 @@ SCORE_DTYPES = ("float32", "int8")
 # the query, the policy's window W (InfLLM's choice; in a chunk, row c sees them at W + c).
 PLACEMENTS = ("rank", "true", "fixed")
 DEFAULT_PLACEMENT = "rank"
-# Pinned spans a stream may hold (docs/design.md §3c): each is a [start, stop) range of global positions, stream
+# Pinned spans a stream may hold: each is a [start, stop) range of global positions, stream
 # state kept in the cache beside the positions (a system prompt, a first turn, the first K tokens, ...).
 PIN_SPANS = 8
 
@@ -61,7 +60,7 @@ def _check_choice_sources(sources: tuple) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ColdStore:
-    """The recall tier's cold store as one value, `CacheSpec.cold` (docs/design.md §3b): capacity (evicted
+    """The recall tier's cold store as one value, `CacheSpec.cold`: capacity (evicted
     tokens kept at least), page_size, page_score (the rule that ranks pages, PAGE_SCORES: it also names the
     summaries the store keeps), neighbors (pages on each side of a chosen page that come back with it) and
     placement (where recalled tokens sit, PLACEMENTS) and reselect (a layer chooses its pages afresh at every
@@ -69,8 +68,7 @@ class ColdStore:
     recall's per-step cost linear in the store, runs 1/reselect as often) and share_from (None: every layer
     chooses its own pages; a policy-layer index r: layers 0..r choose their own and every later layer attends
     the pages layer r chose in the same step, so the store is scored in r + 1 layers instead of all: the
-    measured reason is that a few middle layers find the fact's page far more often than the rest,
-    docs/recall_tier.md; or a tuple, one entry per layer from layer 0: the layer whose choice that layer attends -
+    reason is that a few middle layers find the fact's page far more often than the rest; or a tuple, one entry per layer from layer 0: the layer whose choice that layer attends -
     itself (it scores the store), an earlier layer that chooses its own (that layer's choice of the same step) or
     -1 (it recalls nothing: a layer whose own choice is close to arbitrary); layers past the tuple's end choose
     their own, `choice_sources` spells it out) and score_dtype (SCORE_DTYPES: the "max" rule's scoring copy in
@@ -140,12 +138,12 @@ class CacheSpec:
     surv_capacity: slots of the survivor segment (sinks + capped survivors + the raw shadow copies of
     flagged tokens still in the window). precompute / token_ids: the rsqr_precompute copy and the replay
     token ids are allocated only when a policy of the spec needs them. max_chunk: the largest chunk fed.
-    cold / max_recall_pages: the recall tier (docs/design.md §3b): a per-layer cold store (a ColdStore: it
+    cold / max_recall_pages: the recall tier: a per-layer cold store (a ColdStore: it
     keeps at least the last cold.capacity evicted non-sink tokens, raw K/V in pages of cold.page_size
     consecutive tokens, and the summaries its page rule needs; None: no cold store), from which a policy may
     recall up to max_recall_pages pages per layer and step, each with cold.neighbors pages on each side (a
     fact that straddles a page boundary returns whole; duplicates count once).
-    pins: pinned tokens the survivor segment holds besides sinks and survivors (docs/design.md §3c; the spans
+    pins: pinned tokens the survivor segment holds besides sinks and survivors (the spans
     themselves are stream state, in the cache: `rsqr_jax.cache.pin_span`); 0 = no pinning.
     """
 
@@ -224,7 +222,7 @@ class CacheSpec:
 
     @property
     def keeps_page_sums(self) -> bool:
-        """Whether the cold store keeps each page's sum of keys (KVCache.cold_sum: only for the rules that read
+        """Whether the cold store keeps each page's sum of keys (ColdState.sums: only for the rules that read
         it, SUM_RULES)."""
         return self.page_score in SUM_RULES
 
@@ -236,7 +234,7 @@ class CacheSpec:
 
     @property
     def scoring_copy_row(self) -> tuple[str, int]:
-        """(dtype, width) of one key's row of KVCache.cold_k_glob: float32 [head_dim], or for the int8 copy int32
+        """(dtype, width) of one key's row of ColdState.scoring: float32 [head_dim], or for the int8 copy int32
         words [head_dim / 4 + 1], its codes four to a word then its float32 scale's bits (recall.pack_int8_keys:
         XLA:CPU scored a layer of the default store about twice as fast from these rows as from 64 codes and a
         scale read apart)."""
@@ -270,16 +268,6 @@ class CacheSpec:
                 and (self.cold.reselect > 1 or self.cold.share_from is not None))
 
     @property
-    def recall_args(self) -> dict:
-        """The static recall keywords of `update.step` / `update.plan_step` for this spec."""
-        if self.cold is None:
-            return {}
-        return {"max_recall_pages": self.max_recall_pages, "recall_neighbors": self.cold.neighbors,
-                "recall_shortlist": self.shortlist_pages, "page_score": self.cold.page_score,
-                "placement": self.cold.placement, "reselect": self.cold.reselect,
-                "share_from": self.cold.choice_sources(self.num_layers)}
-
-    @property
     def shortlist_pages(self) -> int:
         """Pages the "shortlist" rule rescores per layer and step (0 under the other rules)."""
         if self.page_score != "shortlist" or not self.max_recall_pages:
@@ -298,7 +286,7 @@ class CacheSpec:
         config, or a dict of them), so a caller need not copy them by hand; an explicit keyword must agree.
         max_len bounds the stream for `full` (its window must hold everything) and nothing else.
         cold: the recall tier's cold store (None: none); max_recall_pages defaults to the largest recall_pages
-        of the policies. pins: room for that many pinned tokens (docs/design.md §3c), added to the survivor
+        of the policies. pins: room for that many pinned tokens, added to the survivor
         segment of the policies that keep sinks.
         """
         num_layers, num_kv_heads, head_dim = model_dims(dims, num_layers=num_layers, num_kv_heads=num_kv_heads,

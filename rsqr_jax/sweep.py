@@ -167,16 +167,23 @@ def make_mesh(n_devices: int | None = None, *, batch_devices: int = 1, devices=N
 def _cache_partition(cache: KVCache) -> KVCache:
     """PartitionSpec of each leaf of a policy-vmapped cache: [P] on "policy", text batch on "batch"."""
     batch_axis = {"win_k": 2, "win_v": 2, "surv_k": 2, "surv_v": 2, "surv_k_rot": 2, "win_tok": 1, "surv_tok": 1,
-                  "cold_k": 2, "cold_v": 2, "cold_sum": 2,
-                  "cold_lo": 2, "cold_hi": 2, "cold_k_glob": 2, "loc_k": 2, "loc_v": 2}
-    specs = {}
-    for f in dataclasses.fields(cache):
-        nd = getattr(cache, f.name).ndim
-        axes = ["policy"] + [None] * (nd - 1)
-        if f.name in batch_axis:
-            axes[batch_axis[f.name]] = "batch"
-        specs[f.name] = PS(*axes)
-    return KVCache(**specs)
+                  "loc_k": 2, "loc_v": 2}
+    cold_batch_axis = {"k": 2, "v": 2, "sums": 2, "lo": 2, "hi": 2, "scoring": 2}
+
+    def spec_of(x, axis):
+        axes = ["policy"] + [None] * (x.ndim - 1)
+        if axis is not None:
+            axes[axis] = "batch"
+        return PS(*axes)
+
+    specs = {f.name: spec_of(getattr(cache, f.name), batch_axis.get(f.name))
+             for f in dataclasses.fields(cache) if f.name != "cold"}
+    cold = cache.cold
+    if cold is not None:
+        cold = cold.replace(**{f.name: spec_of(getattr(cold, f.name), cold_batch_axis.get(f.name))
+                               for f in dataclasses.fields(cold)
+                               if f.name != "page_size" and getattr(cold, f.name) is not None})
+    return KVCache(cold=cold, **specs)
 
 
 def _place(x, sharding: NamedSharding) -> jax.Array:

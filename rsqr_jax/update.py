@@ -1,30 +1,25 @@
-"""The caller's side of a step (docs/design.md §3-5): which slot each new token goes to, which positions the
-kernel sees, what upkeep each policy runs, and the positions committed afterwards.
+"""The caller's side of a step: which slot each new token goes to, which positions the kernel sees, what upkeep
+each policy runs, and the positions committed afterwards.
 
 A step is planned once (`plan_step`, shared by every layer); the model runs, and each of its layers calls
 `rsqr_jax.layer_step.attend_layer` with the plan (K/V writes, upkeep, the cold store, attention); then the
-new positions are committed (`commit`). `step` does all three for a chunk and never runs inside the model. Policy-specific work is read from the mode
-traits table (`policy.MODE_TRAITS`) and guarded by `lax.cond`, so a single fixed policy pays only for its
-own branch (under `vmap` a cond becomes a select: the price of a mixed sweep).
+new positions are committed (`commit`). rsqr_jax.engine.step does all three for a chunk; nothing here calls the
+model. Policy-specific work is read from the mode traits table (`policy.MODE_TRAITS`) and guarded by `lax.cond`,
+so a single fixed policy pays only for its own branch (under `vmap` a cond becomes a select: the price of a mixed
+sweep).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from rsqr_jax import policy as P
-from rsqr_jax import recall as _recall
-from rsqr_jax.cache import BITS_DTYPE, KV_FIELDS, KVCache, init_cache
+from rsqr_jax import recall as R
+from rsqr_jax.cache import KVCache
 from rsqr_jax.policy import Policy, is_flagged, mode_traits, order_index, window_start
-from rsqr_jax.recall import Recall
-from rsqr_jax.spec import CacheSpec
-
-ApplyFn = Callable  # (params, tokens_BxC, cache, plan) -> (logits_BxCxV, cache)
-
 
 def _dataclass(cls):
     return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
@@ -33,21 +28,17 @@ def _dataclass(cls):
 @_dataclass
 class Writes:
     """Where each chunk token's K/V is written (slot out of range = not written) and the position its key
-    is rotated at when written (0 = stored raw); cold_slot_C / cold_page_C: its raw copy's slot and page in
-    the recall tier's cold ring; cold_first_C: it starts its page afresh."""
+    is rotated at when written (0 = stored raw). (Its raw copy in the recall tier's cold ring: Recall.slot_C.)"""
 
     win_slot_C: jax.Array
     win_rot_pos_C: jax.Array
     surv_slot_C: jax.Array
     surv_rot_pos_C: jax.Array
-    cold_slot_C: jax.Array
-    cold_page_C: jax.Array
-    cold_first_C: jax.Array
 
 
 @_dataclass
 class KernelArgs:
-    """The position arguments of the two-segment kernel (DESIGN section 6), shared by every layer.
+    """The position arguments of the two-segment kernel (rsqr_jax.attention), shared by every layer.
 
     win_pos_W: position of each window slot in the window query's frame (-1 = not attended);
     surv_rot_pos_S: the position each survivor key is rotated at inside the kernel (0 = the stored key
@@ -95,46 +86,40 @@ class Positions:
     surv_rank: jax.Array
     surv_stored_rot: jax.Array
     surv_copy_pos: jax.Array
-    cold_pos: jax.Array
-    cold_step: jax.Array
     t: jax.Array
 
 
 @_dataclass
 class StepPlan:
     """Everything a layer needs to update its K/V and attend, for one chunk; identical for all layers
-    (but for the recalled pages, which each layer chooses from its own queries). logits_row: None, or the one
-    row of the chunk whose logits the caller reads (step's last_logits): a model may compute only that row's
-    logits, [B, 1, V] (a prompt chunk's other rows would cost a fifth of its multiply-adds for nothing)."""
+    (but for the recalled pages, which each layer chooses from its own queries). recall: the recall tier's plan
+    (None without a cold store). logits_row: None, or the one row of the chunk whose logits the caller reads
+    (step's last_logits): a model may compute only that row's logits, [B, 1, V] (a prompt chunk's other rows would
+    cost a fifth of its multiply-adds for nothing)."""
 
     writes: Writes
     kernel: KernelArgs
     upkeep: Upkeep
-    recall: Recall
+    recall: R.Recall | None
     next: Positions
     logits_row: jax.Array | None = None
 
 
 def _pinned(g_N: jax.Array, cache: KVCache) -> jax.Array:
-    """Which global positions lie in a pinned span of the cache (docs/design.md §3c)."""
+    """Which global positions lie in a pinned span of the cache."""
     if not cache.pin_lo.shape[0]:
         return jnp.zeros(g_N.shape, bool)
     return jnp.any((cache.pin_lo <= g_N[:, None]) & (g_N[:, None] < cache.pin_hi), axis=1)
 
 
 def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | int | None = None, *,
-              max_recall_pages: int = 0, recall_neighbors: int = 0, recall_shortlist: int = 0,
-              page_score: str = "mean", placement: str = "rank", reselect: int = 1,
-              share_from: tuple[int, ...] | None = None) -> StepPlan:
+              recall: R.RecallConfig | None = None) -> StepPlan:
     """Bookkeeping for appending `chunk` tokens (the first n_valid of them real) under `policy`.
 
     Token set semantics: the chunk attends to the cached set *after* this step's evictions (for one
-    token that is exactly DESIGN's set(t); for a chunk it is StreamingLLM's evict-for-space).
-    max_recall_pages / recall_neighbors / recall_shortlist / page_score (static, CacheSpec.recall_args): how
-    many cold pages a layer may choose, the pages on each side of a chosen one that come with it, the
-    "shortlist" rule's page count, the rule itself (which page summaries the cold store keeps and scores) and
-    where recalled tokens sit (spec.PLACEMENTS), how often a layer chooses its pages afresh (ColdStore.reselect),
-    and, per layer, the layer whose choice it attends (ColdStore.choice_sources; None: its own).
+    token that is exactly the set at t; for a chunk it is StreamingLLM's evict-for-space).
+    recall (static, rsqr_jax.recall.config_of(spec)): how the layers recall from the cache's cold store (None:
+    the store, if any, is written and nothing is recalled).
     """
     C = chunk
     n_valid = jnp.asarray(C if n_valid is None else n_valid, jnp.int32)
@@ -200,55 +185,21 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
     else:
         copy_pos, refresh_S, refresh = cache.surv_copy_pos, jnp.zeros((S,), bool), jnp.asarray(False)
 
-    # Recall tier: every real non-sink token is written raw into the cold ring at (r - N) mod Nc; a page
-    # whose first slot is written starts afresh (its older remnants are no longer recallable).
-    Nc = cache.cold_pos.shape[0]
-    n_pages = cache.cold_sum.shape[3]
-    if Nc:
-        Pg = Nc // n_pages
-        cold_C = real_C & (r_C >= N)
-        cold_slot = jnp.where(cold_C, (r_C - N) % Nc, Nc)
-        cold_page = jnp.where(cold_C, cold_slot // Pg, n_pages)
-        first_C = cold_C & (cold_slot % Pg == 0)
-        restart = jnp.zeros((n_pages,), jnp.int32).at[cold_page].max(first_C.astype(jnp.int32), mode="drop") > 0
-        cold_pos = jnp.where(jnp.repeat(restart, Pg), -1, cache.cold_pos).at[cold_slot].set(g_C, mode="drop")
-    else:
-        cold_slot = cold_page = jnp.zeros((C,), jnp.int32)
-        first_C, cold_pos = jnp.zeros((C,), bool), cache.cold_pos
-    # The recallable slots, and the leading pages that hold them (once per step, for every layer): before the ring
-    # wraps they are a prefix that grows with the stream, after it every page; 0 (or recall_pages = 0) = the
-    # layers skip recall this step.
-    token_valid = (cold_pos >= 0) & (cold_pos < w0)
-    live_pages = jnp.int32(0)
-    if Nc:
-        live_slots = jnp.max(jnp.where(token_valid, jnp.arange(1, Nc + 1, dtype=jnp.int32), 0))
-        live_pages = jnp.where(policy.recall_pages > 0, (live_slots + Pg - 1) // Pg, 0).astype(jnp.int32)
-    recall = Recall(k_pages=policy.recall_pages, token_valid_Nc=token_valid,
-                    surv_gpos_S=surv_pos, q_global_C=g_C, q_real_C=real_C, in_kernel=mode.surv_in_kernel,
-                    max_pages=max_recall_pages if Nc else 0, neighbors=recall_neighbors,
-                    shortlist=recall_shortlist if Nc else 0, page_score=page_score, live_pages=live_pages,
-                    score_block=_recall.SCORE_BLOCK_PAGES, placement=placement,
-                    fixed_pos=g_C[0] - policy.window,
-                    keeps_choice=(reselect > 1 or share_from is not None) and bool(max_recall_pages and Nc),
-                    share_from=share_from,  # CacheSpec.reselects: the choice is kept
-                    # choose afresh every reselect-th step and at every chunk of more than one token (a prompt: the
-                    # question's own rows choose the pages its first answer token reads)
-                    reselect_now=(jnp.sum(cache.cold_step) % reselect == 0) | (n_valid > 1))
     kernel = KernelArgs(
         win_pos_W=jnp.where(win_in, jnp.where(mode.rank_window, win_rank, win_pos), -1),
         q_pos_win_C=jnp.where(mode.rank_window, q_rank, g_C),
         surv_rot_pos_S=jnp.where(mode.surv_in_kernel & att, surv_rank, 0),
         surv_valid_S=att,
         q_pos_surv_C=jnp.where(mode.surv_global, g_C, q_rank))
-    if recall.keeps_choice and recall.max_pages and reselect > 1:
-        # A step that chooses nothing (every reselect-th step chooses) attends the kept choices: their tokens'
-        # positions, validity and ranks once per choosing layer here, not in every layer that attends them.
-        recall = dataclasses.replace(recall, kept_layout=_recall.kept_layouts(
-            cache.cold_choice, cache.cold_choice_on, cold_pos, Nc // n_pages, recall, kernel.surv_rot_pos_S,
-            kernel.surv_valid_S, kernel.q_pos_surv_C, recall.choosers(cache.cold_choice.shape[0])))
+    recall_plan = None
+    if cache.cold is not None:
+        recall_plan = R.plan_ring(cache.cold, recall, k_pages=policy.recall_pages, g_C=g_C, r_C=r_C, real_C=real_C,
+                                  n_valid=n_valid, n_sink=N, w0=w0, surv_gpos_S=surv_pos, in_kernel=mode.surv_in_kernel,
+                                  window=policy.window, surv_rot_pos_S=kernel.surv_rot_pos_S,
+                                  surv_valid_S=kernel.surv_valid_S, q_pos_surv_C=kernel.q_pos_surv_C)
 
     return StepPlan(
-        writes=Writes(win_slot, win_write, surv_slot, surv_write, cold_slot, cold_page, first_C),
+        writes=Writes(win_slot, win_write, surv_slot, surv_write),
         kernel=kernel,
         upkeep=Upkeep(
             rerotate=mode.rerotate & any_hop, win_hop_W=win_hop, surv_hop_S=surv_hop,
@@ -256,98 +207,13 @@ def plan_step(cache: KVCache, policy: Policy, chunk: int, n_valid: jax.Array | i
             surv_rot_new_S=surv_rot_new, refresh=refresh, refresh_S=refresh_S, use_precompute=mode.precompute,
             rotate_window=mode.raw_window, replay=mode.replay & any_hop, win_rank_W=win_rank, surv_rank_S=surv_rank,
             q_rank_C=q_rank),
-        recall=recall,
+        recall=recall_plan,
         next=Positions(win_pos=win_pos, win_stored_rot=win_rot_new, surv_pos=surv_pos, surv_rank=surv_rank,
-                       surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, cold_pos=cold_pos,
-                       # a prompt restarts the count: the first decode step after it chooses afresh too (its
-                       # one row is the answer's query, where the prompt's choice is a max over its rows)
-                       cold_step=jnp.where(n_valid > 1, 0, cache.cold_step + 1), t=n),
+                       surv_stored_rot=surv_rot_new, surv_copy_pos=copy_pos, t=n),
     )
 
 
 def commit(cache: KVCache, plan: StepPlan) -> KVCache:
     """The cache with the step's new positions and counters."""
-    return cache.replace(**{f.name: getattr(plan.next, f.name) for f in dataclasses.fields(Positions)})
-
-
-def _bits_on_cpu(cache: KVCache) -> bool:
-    return cache.win_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
-
-
-def _kv_bitcast(cache: KVCache, dtype) -> KVCache:
-    return cache.replace(**{f: jax.lax.bitcast_convert_type(getattr(cache, f), dtype) for f in KV_FIELDS})
-
-
-# ----------------------------------------------------------------------------------------------------
-# One whole step of a chunk.
-
-
-def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
-    """Consolidation: recompute K/V of every cached token by a forward pass over the cached ids at their
-    ranks 0..n-1 (fresh full-attention cache), scatter them back, and take this chunk's logits from it."""
-    L, B, H, W, D = cache.win_k.shape
-    S = cache.surv_k.shape[3]
-    n_cap = W + S
-    up = plan.upkeep
-    win_in = up.win_rank_W >= 0
-    surv_att = plan.kernel.surv_valid_S
-    ids = jnp.zeros((B, n_cap), jnp.int32)
-    ids = ids.at[:, jnp.where(win_in, up.win_rank_W, n_cap)].set(cache.win_tok, mode="drop")
-    if S:
-        ids = ids.at[:, jnp.where(surv_att, up.surv_rank_S, n_cap)].set(cache.surv_tok, mode="drop")
-    n_cached = jnp.sum(win_in) + jnp.sum(surv_att)
-    fresh = init_cache(CacheSpec(L, B, H, D, n_cap, 0, str(cache.win_k.dtype), max_chunk=n_cap))
-    logits_all, fresh = apply_fn(params, ids, fresh, plan_step(fresh, P.full(), n_cap, n_cached))
-
-    def gather(fresh_kv, dst, mask, rank):
-        """dst with the entries in `mask` replaced by the fresh K or V of the token at `rank`."""
-        src = jnp.take(fresh_kv, jnp.clip(rank, 0, n_cap - 1), axis=3)
-        return jnp.where(mask[:, None], src, dst)
-
-    surv_live = up.surv_rank_S >= 0
-    win_k = gather(fresh.win_k, cache.win_k, win_in, up.win_rank_W)
-    win_v = gather(fresh.win_v, cache.win_v, win_in, up.win_rank_W)
-    surv_k = gather(fresh.win_k, cache.surv_k, surv_live, up.surv_rank_S) if S else cache.surv_k
-    surv_v = gather(fresh.win_v, cache.surv_v, surv_live, up.surv_rank_S) if S else cache.surv_v
-    logits = jnp.take(logits_all, jnp.clip(up.q_rank_C, 0, n_cap - 1), axis=1)
-    return logits, cache.replace(win_k=win_k, win_v=win_v, surv_k=surv_k, surv_v=surv_v)
-
-
-def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
-         n_valid: jax.Array | int | None = None, *, last_logits: bool = False, **recall_args) -> tuple[jax.Array, KVCache]:
-    """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache.
-
-    last_logits (static): only the last real token's logits, [B, 1, V] (what sampling reads): the plan names that
-    row (StepPlan.logits_row) for a model that computes only it; another model's rows are taken here.
-    recall_args (static, CacheSpec.recall_args): the recall tier's keywords of `plan_step`."""
-    C = tokens_BxC.shape[1]
-    plan = plan_step(cache, policy, C, n_valid, **recall_args)
-    row = None
-    if last_logits:
-        row = jnp.maximum(jnp.asarray(C if n_valid is None else n_valid, jnp.int32) - 1, 0)
-        plan = dataclasses.replace(plan, logits_row=row)
-
-    def picked(logits):  # [B, C or 1, V] -> [B, 1, V] under last_logits
-        return logits if row is None or logits.shape[1] == 1 else jax.lax.dynamic_slice_in_dim(logits, row, 1, axis=1)
-
-    if cache.win_tok.shape[1]:
-        cache = cache.replace(win_tok=cache.win_tok.at[:, plan.writes.win_slot_C].set(tokens_BxC, mode="drop"))
-    if cache.surv_tok.shape[1]:
-        cache = cache.replace(surv_tok=cache.surv_tok.at[:, plan.writes.surv_slot_C].set(tokens_BxC, mode="drop"))
-
-    def forward(cache):
-        if not _bits_on_cpu(cache):
-            logits, cache = apply_fn(params, tokens_BxC, cache, plan)
-            return picked(logits), cache
-        logits, bits = apply_fn(params, tokens_BxC, _kv_bitcast(cache, BITS_DTYPE), plan)
-        return picked(logits), _kv_bitcast(bits, jnp.bfloat16)
-
-    def replay(cache):
-        logits, cache = _replay(apply_fn, params, cache, plan)
-        return picked(logits), cache
-
-    if cache.win_tok.shape[1]:
-        logits, cache = jax.lax.cond(plan.upkeep.replay, replay, forward, cache)
-    else:
-        logits, cache = forward(cache)
-    return logits, commit(cache, plan)
+    cache = cache.replace(**{f.name: getattr(plan.next, f.name) for f in dataclasses.fields(Positions)})
+    return cache if plan.recall is None else cache.replace(cold=R.commit_ring(cache.cold, plan.recall))

@@ -307,14 +307,15 @@ def stream_logits(model, policy, ids_T, chunks, **spec_kw):
     from rsqr_jax.cache import init_cache
     from rsqr_jax.models.llama import split_apply
     from rsqr_jax.spec import CacheSpec
-    from rsqr_jax.update import step
+    from rsqr_jax.recall import config_of
+    from rsqr_jax.engine import step
 
     T = len(ids_T)
     spec = CacheSpec.for_policies(policy, dims=model.config, max_chunk=max(chunks), max_len=T, **spec_kw)
     key = (id(model), spec)
     if key not in STEPS:  # one jitted step per model and spec: policies are traced values, so they share it
         apply_fn, params = split_apply(model.model)
-        STEPS[key] = (jax.jit(lambda p, tok, c, pol: step(apply_fn, p, tok, c, pol, **spec.recall_args)), params)
+        STEPS[key] = (jax.jit(lambda p, tok, c, pol: step(apply_fn, p, tok, c, pol, recall=config_of(spec))), params)
     run, params = STEPS[key]
     cache, out, n = init_cache(spec), [], 0
     sizes = list(chunks)

@@ -17,7 +17,7 @@ from rsqr_jax.models import blocks as BW
 from rsqr_jax.cache import init_cache
 from rsqr_jax.models.llama import forward_logits, read_model, split_apply
 from rsqr_jax.spec import CacheSpec
-from rsqr_jax.update import step
+from rsqr_jax.engine import step
 from rsqr_lab.testing import drawn_seed
 from tests.cli import assert_one_line_error, run_script, script_env
 from tests.cpu_kernels import build_for_march

@@ -15,7 +15,7 @@ from rsqr_jax.cache import init_cache
 from rsqr_jax.sampling import Sampling
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.engine import stream_nll
-from rsqr_jax.update import step
+from rsqr_jax.engine import step
 from tests.tiny_session import CFG, make_session, model
 
 

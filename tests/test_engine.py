@@ -18,7 +18,7 @@ from rsqr_jax.sampling import Sampling, sample
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.models.tiny import tiny_config, tiny_model
-from rsqr_jax.update import step
+from rsqr_jax.engine import step
 
 CFG = tiny_config()
 POLICIES = [P.rsqr(6, 2, 2, 3, block=2), P.rerotate(6, 2, 2, 3), P.streamingllm(6, 2), P.replay(6, 2, 2, 3, block=2),

@@ -26,7 +26,7 @@ from rsqr_jax.spec import CacheSpec
 from rsqr_lab.testing.oracle import reference_token_sets
 from rsqr_jax.models.tiny import tiny_config, tiny_model
 from rsqr_lab.testing.tokenizer import WordTokenizer
-from rsqr_jax.update import step
+from rsqr_jax.engine import step
 from tests.cli import assert_one_line_errors, run_in_process
 
 REPO = Path(__file__).resolve().parent.parent

@@ -109,7 +109,7 @@ def test_cache_without_rings_is_refused(loaded):
     from rsqr_jax.cache import init_cache
     from rsqr_jax.hybrid import HybridCacheError
     from rsqr_jax.spec import CacheSpec
-    from rsqr_jax.update import step
+    from rsqr_jax.engine import step
     from rsqr_jax.models.llama import split_apply
 
     cfg = loaded["gemma2"].config

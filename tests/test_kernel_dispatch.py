@@ -12,7 +12,7 @@ from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
-from rsqr_jax.update import step
+from rsqr_jax.engine import step
 from rsqr_jax.models.tiny import tiny_config, tiny_weights
 
 CFG = tiny_config(layers=1, head_dim=32)  # the kernel needs D a power of two >= 32

@@ -58,11 +58,11 @@ def test_wide_choice_attends_what_k_pages_attend(tiny):
         cache = feed_stream(dec, params, dec.init_cache(), pol, ids, C)
         q = np.pad(ids[:, :5], ((0, 0), (0, C - 5)))
         lg1, cache = dec.feed(params, q, cache, pol, 5)
-        choice1 = np.asarray(cache.cold_choice)[..., :K]
+        choice1 = np.asarray(cache.cold.choice)[..., :K]
         lg2, cache = dec.feed(params, np.pad(ids[:, 5:6], ((0, 0), (0, C - 1))), cache, pol, 1)
-        outs.append((np.asarray(lg1[:, :5]), choice1, np.asarray(lg2[:, 0]), np.asarray(cache.cold_choice)[..., :K]))
+        outs.append((np.asarray(lg1[:, :5]), choice1, np.asarray(lg2[:, 0]), np.asarray(cache.cold.choice)[..., :K]))
     (a1, c1, a2, c2), (b1, d1, b2, d2) = outs
-    assert np.asarray(cache.cold_pos).max() > 8 * cold.page_size, f"seed {seed}: the store should hold > 8 pages"
+    assert np.asarray(cache.cold.pos).max() > 8 * cold.page_size, f"seed {seed}: the store should hold > 8 pages"
     # The wide cache sums over more (masked) slots, so float32 rounding differs: logits reach |25| and differ
     # by up to 6e-5 over 100 seeds, while attending one page more than K moves them by about 10.
     np.testing.assert_allclose(b1, a1, rtol=1e-5, atol=5e-4, err_msg=f"seed {seed}")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rsqr_jax.cache import run_slots
+from rsqr_jax.kernels.store import run_slots
 from rsqr_jax.kernels import page_scores as PS
 from rsqr_jax.recall import (Recall, ScoringCopy, _int8_kernel_applies, _int8_kernel_scores, live_page_scores,
                              pack_int8_keys, page_scores)

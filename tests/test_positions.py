@@ -18,7 +18,7 @@ from rsqr_jax.cache import cached_positions, init_cache
 from rsqr_jax.policy import window_start
 from rsqr_jax.spec import CacheSpec
 from rsqr_jax.rope import RopeScaling, inverse_frequencies, rope_angles
-from rsqr_jax.update import step
+from rsqr_jax.engine import step
 from rsqr_jax.models.tiny import tiny_config, tiny_weights
 
 I32_MAX = 2**31 - 1

@@ -31,8 +31,9 @@ from rsqr_jax.models.tiny import tiny_config, tiny_model, tiny_weights
 from rsqr_jax.sampling import Sampling
 from rsqr_jax import recall
 from rsqr_jax.recall import Recall, choose_pages, page_scores, with_neighbors
-from rsqr_jax.cache import run_slots
+from rsqr_jax.kernels.store import run_slots
 from rsqr_jax.update import commit, plan_step
+from rsqr_jax.cache import cache_arrays
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = tiny_config()
@@ -129,7 +130,7 @@ def test_cold_ring_keeps_what_the_model_says(window, n_sink, block, page, cold_p
                                cold_slots=spec.cold_slots, chunk=chunk)
     for n, expected in want:
         cache, token_valid_Nc = _plan_and_commit(cache, pol, chunk, min(chunk, n - int(cache.t)))
-        got = sorted(int(g) for g in np.asarray(cache.cold_pos)[np.asarray(token_valid_Nc)])
+        got = sorted(int(g) for g in np.asarray(cache.cold.pos)[np.asarray(token_valid_Nc)])
         assert got == expected, (n, got, expected)
         assert len(got) >= min(spec.cold.capacity, max(0, n - n_sink - window - block + 1))  # capacity honoured
 
@@ -199,10 +200,13 @@ def test_max_rule_scores_each_page_by_its_best_recallable_token():
     for rule in ("mean", "max", "quest", "shortlist"):
         spec = spec_for([pol], 0, cold=64, score=rule)
         cache = rj.init_cache(spec)
-        held = sum(getattr(cache, f).nbytes for f in ("cold_k", "cold_v", "cold_pos", "cold_sum", "cold_lo", "cold_hi",
-                                                      "cold_k_glob"))
+        held = sum(x.nbytes for x in (cache.cold.k, cache.cold.v, cache.cold.pos, cache.cold.sums, cache.cold.lo,
+                                      cache.cold.hi, cache.cold.scoring) if x is not None)
         assert spec.bytes_by_part()["cold_store"] == held, rule
-        assert (cache.cold_k_glob.size > 0) == (rule == "max") and (cache.cold_sum.size > 0) == (rule in ("mean", "shortlist"))
+        # a rule's own summaries only: the others are absent from the cache, not empty arrays
+        assert (cache.cold.scoring is not None) == (rule == "max")
+        assert (cache.cold.sums is not None) == (rule in ("mean", "shortlist"))
+        assert (cache.cold.lo is not None) == (cache.cold.hi is not None) == (rule == "quest")
 
 
 def _unpack_int8_rows(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -258,8 +262,8 @@ def test_int8_scoring_copy_scores_within_its_quantization_bound():
     extra = f32.bytes_by_part()["cold_store"] - i8.bytes_by_part()["cold_store"]
     assert extra == f32.cold_slots * CFG.num_layers * CFG.num_kv_heads * (4 * CFG.head_dim - (CFG.head_dim + 4))
     cache = rj.init_cache(i8)
-    assert cache.cold_k_glob.dtype == jnp.int32 and cache.cold_k_glob.shape[-1] == CFG.head_dim // 4 + 1
-    assert rj.init_cache(f32).cold_k_glob.shape[-1] == CFG.head_dim
+    assert cache.cold.scoring.dtype == jnp.int32 and cache.cold.scoring.shape[-1] == CFG.head_dim // 4 + 1
+    assert rj.init_cache(f32).cold.scoring.shape[-1] == CFG.head_dim
     # the cache keeps each key's codes and scale in one row of words: unpacked, exactly quantize_int8's
     words = packed
     assert words.dtype == jnp.int32 and words.shape == k.shape[:-1] + (D // 4 + 1,)
@@ -534,10 +538,10 @@ def test_page_summaries_match_the_stored_raw_keys(chunk, rule):
     cache = dec.init_cache()
     for a in range(0, T - T % chunk, chunk):
         cache = dec.advance(params, tokens[:, a:a + chunk], cache, pol)
-    pos = np.asarray(cache.cold_pos)
+    pos = np.asarray(cache.cold.pos)
     n_pages = pos.size // 4
     assert (pos >= 0).sum() >= 12 and T > spec.cold_slots  # the ring wrapped
-    rot = rope_f64(np.asarray(cache.cold_k[:, 0]), np.maximum(pos, 0)[None, None, :], np.asarray(CFG.inv_freq))
+    rot = rope_f64(np.asarray(cache.cold.k[:, 0]), np.maximum(pos, 0)[None, None, :], np.asarray(CFG.inv_freq))
     for p in range(n_pages):
         sl = slice(4 * p, 4 * p + 4)
         held = pos[sl] >= 0
@@ -545,12 +549,12 @@ def test_page_summaries_match_the_stored_raw_keys(chunk, rule):
             continue
         r = rot[:, :, sl][:, :, held]  # [L, Hkv, n, D]
         if rule == "mean":
-            np.testing.assert_allclose(np.asarray(cache.cold_sum[:, 0, :, p]), r.sum(2), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(cache.cold.sums[:, 0, :, p]), r.sum(2), rtol=1e-4, atol=1e-4)
         else:
-            np.testing.assert_allclose(np.asarray(cache.cold_lo[:, 0, :, p]), r.min(2), rtol=1e-4, atol=1e-4)
-            np.testing.assert_allclose(np.asarray(cache.cold_hi[:, 0, :, p]), r.max(2), rtol=1e-4, atol=1e-4)
-    summaries = {"cold_sum": cache.cold_sum.size, "cold_lo": cache.cold_lo.size, "cold_hi": cache.cold_hi.size}
-    assert {k for k, n in summaries.items() if n} == ({"cold_sum"} if rule == "mean" else {"cold_lo", "cold_hi"})
+            np.testing.assert_allclose(np.asarray(cache.cold.lo[:, 0, :, p]), r.min(2), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(cache.cold.hi[:, 0, :, p]), r.max(2), rtol=1e-4, atol=1e-4)
+    summaries = {"sums": cache.cold.sums, "lo": cache.cold.lo, "hi": cache.cold.hi}
+    assert {k for k, x in summaries.items() if x is not None} == ({"sums"} if rule == "mean" else {"lo", "hi"})
 
 
 def test_quest_bound_matches_numpy_and_bounds_every_key():
@@ -646,8 +650,6 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
 def test_bench_recall_fill_gives_every_arm_a_filled_store_of_its_own_layout(tmp_path, monkeypatch):
     """--fill: an arm starts from a fill whose cache has its shapes in every field (the max rule's scoring
     copy in float32 or int8), so no part of its store is left empty while its cold_pos says full."""
-    import dataclasses as dc
-
     from rsqr_lab.studies import recall_timing as B
     from rsqr_lab.testing.tokenizer import ByteTokenizer
 
@@ -657,8 +659,11 @@ def test_bench_recall_fill_gives_every_arm_a_filled_store_of_its_own_layout(tmp_
     real = B._adopt
 
     def record(session, src):
-        adopted.append([f.name for f in dc.fields(session.cache)
-                        if getattr(session.cache, f.name).shape != getattr(src.cache, f.name).shape])
+        from rsqr_jax.cache import cache_arrays
+
+        mine, theirs = cache_arrays(session.cache), cache_arrays(src.cache)
+        adopted.append(sorted(k for k in mine.keys() | theirs.keys()
+                              if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape))
         real(session, src)
 
     monkeypatch.setattr(B, "_adopt", record)
@@ -736,23 +741,24 @@ def test_a_saved_session_resumes_with_its_cold_store(tmp_path):
     s.feed(a)
     got = s.generate(3)
     s.save(tmp_path / "r.session", ident)
-    # a file missing an array (here the empty scoring copy, as an older format wrote) is refused, one line
+    # a file missing an array (here the cold store's positions) is refused, one line
     from rsqr_jax.session_file import SessionFileError, read_session_file, write_session_file
 
     header, arrays = read_session_file(tmp_path / "r.session")
-    assert arrays.pop("cache.cold_k_glob").size == 0
+    assert arrays.pop("cache.cold_pos").size > 0
     header.pop("arrays"), header.pop("checksum")
     write_session_file(tmp_path / "old.session", header, arrays)
     with pytest.raises(SessionFileError, match="old.session holds arrays"):
         Session.load(tmp_path / "old.session", apply_fn, params, ident)
     s = Session.load(tmp_path / "r.session", apply_fn, params, ident)
-    assert s.spec == spec and int((np.asarray(s.cache.cold_pos) >= 0).sum()) > 16
+    assert s.spec == spec and int((np.asarray(s.cache.cold.pos) >= 0).sum()) > 16
     got += s.generate(3)
     s.feed(b)
     got += s.generate(6)
     assert got == want
+    got_arrays, want_arrays = cache_arrays(s.cache), cache_arrays(ref.cache)
     for f in ("cold_k", "cold_v", "cold_sum", "cold_pos", "win_k"):
-        np.testing.assert_array_equal(np.asarray(getattr(s.cache, f)), np.asarray(getattr(ref.cache, f)), err_msg=f)
+        np.testing.assert_array_equal(np.asarray(got_arrays[f]), np.asarray(want_arrays[f]), err_msg=f)
 
 
 def test_a_store_is_scored_in_the_fewest_equal_blocks():
@@ -885,10 +891,10 @@ def test_skipping_recall_under_vmap_changes_no_bit(monkeypatch):
 
 
 def test_read_layer_runs_equals_the_gather_of_their_slots(monkeypatch):
-    """cache.read_layer_runs (recall's reads of pages and score blocks as sliced runs) gives gather_layer_slots'
+    """kernels.store.read_layer_runs (recall's reads of pages and score blocks as sliced runs) gives gather_layer_slots'
     values for the same slots bit for bit, sliced (a few runs) or gathered (past SLICED_RUNS_MAX), under jit with
     the layer traced, for every batch row; uint16 bits (a bfloat16 store) included."""
-    from rsqr_jax import cache as C
+    from rsqr_jax.kernels import store as C
 
     rng = np.random.default_rng(drawn_seed("runs"))
     L, B, H, N, D, Pg, M = 3, 2, 2, 40, 4, 4, 3

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rsqr_jax.cache import read_layer_runs
+from rsqr_jax.kernels.store import read_layer_runs
 from rsqr_jax.kernels import recalled_attention as RA
 from rsqr_jax.kernels.survivor_attention import MASK_VALUE, _survivor_scores, rotation_table
 from rsqr_lab.testing import drawn_seed
@@ -61,7 +61,7 @@ def _xla_partial(k_stack, v_stack, layer, starts, Pg, rot, valid, qs, table):
 def test_kernel_partial_is_the_xla_partial(B, C, Hkv, G, D, M, Pg, bits):
     rng = np.random.default_rng(drawn_seed(f"recalled_attention {B} {C} {D} {bits}"))
     k, v, starts, rot, valid, qs, table = _case(rng, B=B, C=C, Hkv=Hkv, G=G, D=D, M=M, Pg=Pg, bits=bits)
-    runs = RA.StoredRuns(k, v, jnp.int32(1), starts, Pg, rot, valid, None)
+    runs = RA.StoredRuns(k, v, jnp.int32(1), starts, Pg, rot, valid)
     got = jax.jit(lambda qs: RA.recalled_partial(runs, qs, table))(qs)
     want = _xla_partial(k, v, 1, starts, Pg, rot, valid, qs, table)
     for name, g, w in zip("oml", got, want):
@@ -71,11 +71,10 @@ def test_kernel_partial_is_the_xla_partial(B, C, Hkv, G, D, M, Pg, bits):
 def test_nothing_valid_is_an_empty_partial_and_a_position_off_the_table_is_loud():
     rng = np.random.default_rng(drawn_seed("recalled_attention edges"))
     k, v, starts, rot, valid, qs, table = _case(rng, B=2, C=1, Hkv=2, G=2, D=64, M=2, Pg=16, bits=False)
-    none = RA.StoredRuns(k, v, jnp.int32(0), starts, 16, rot, jnp.zeros_like(valid), None)
+    none = RA.StoredRuns(k, v, jnp.int32(0), starts, 16, rot, jnp.zeros_like(valid))
     o, m, l = RA.recalled_partial(none, qs, table)
     assert not np.asarray(o).any() and not np.asarray(l).any() and (np.asarray(m) == np.float32(MASK_VALUE)).all()
-    off = RA.StoredRuns(k, v, jnp.int32(0), starts, 16, rot.at[1, 0].set(table.shape[0]), valid.at[1, 0].set(True),
-                        None)
+    off = RA.StoredRuns(k, v, jnp.int32(0), starts, 16, rot.at[1, 0].set(table.shape[0]), valid.at[1, 0].set(True))
     o, m, l = RA.recalled_partial(off, qs, table)
     assert np.isnan(np.asarray(m[1])).all() and np.isfinite(np.asarray(m[0])).all()  # only that batch row
 
@@ -85,7 +84,7 @@ def test_kernel_under_vmap_gives_each_element_its_partial():
     cases = [_case(rng, B=1, C=1, Hkv=2, G=2, D=64, M=2, Pg=16, bits=False) for _ in range(3)]
     k, v, starts, rot, valid, qs = (jnp.stack([c[i] for c in cases]) for i in range(6))
     table = cases[0][6]
-    call = lambda k, v, st, r, va, q: RA.recalled_partial(RA.StoredRuns(k, v, 2, st, 16, r, va, None), q, table)  # noqa: E731
+    call = lambda k, v, st, r, va, q: RA.recalled_partial(RA.StoredRuns(k, v, 2, st, 16, r, va), q, table)  # noqa: E731
     got = jax.jit(jax.vmap(call))(k, v, starts, rot, valid, qs)
     for p in range(3):
         for g, w in zip(got, call(*(x[p] for x in (k, v, starts, rot, valid, qs)))):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import rsqr_jax as rj
+from rsqr_jax.cache import cache_arrays
 from rsqr_jax import policy as P
 from rsqr_lab.testing.oracle import reference_cold_sets, reference_token_sets, stream_logits_f64
 from rsqr_lab.testing import drawn_seed
@@ -37,7 +38,7 @@ def _stream(pol, spec, tokens, chunk=1, seed=2):
     for t in range(0, len(tokens), chunk):
         out, cache = dec.feed(params, tokens[None, t:t + chunk], cache, pol)
         logits.append(np.asarray(out[0], np.float64))
-        choices.append(np.asarray(cache.cold_choice))
+        choices.append(np.asarray(cache.cold.choice))
     return np.concatenate(logits), choices
 
 
@@ -98,7 +99,7 @@ def test_the_first_decode_step_after_a_prompt_chooses_then_keeps():
         for t in range(24, 30):
             logits, cache = dec.feed(params, tokens[None, t:t + 1], cache, pol)
             rows.append(np.asarray(logits[0, -1], np.float64))
-            choices.append(np.asarray(cache.cold_choice))
+            choices.append(np.asarray(cache.cold.choice))
         out[k] = rows, choices
     np.testing.assert_allclose(out[10**6][0][0], out[1][0][0], atol=1e-5, rtol=0)  # the first step chose afresh
     kept = out[10**6][1]
@@ -138,12 +139,13 @@ def test_a_saved_session_keeps_its_page_choice(tmp_path):
     got = s.generate(4)
     s.save(tmp_path / "r.session", identity)
     s = Session.load(tmp_path / "r.session", apply_fn, params, identity)
-    assert int(s.cache.cold_step[0]) % 3 != 0  # resumed between two scorings: the kept choice is what it reads
+    assert int(s.cache.cold.step[0]) % 3 != 0  # resumed between two scorings: the kept choice is what it reads
     s.feed(more)
     got += s.generate(6)
     assert got == want, f"seed {seed}"
+    got_arrays, want_arrays = cache_arrays(s.cache), cache_arrays(ref.cache)
     for name in ("cold_choice", "cold_choice_on", "cold_step", "win_k", "cold_k"):
-        np.testing.assert_array_equal(np.asarray(getattr(s.cache, name)), np.asarray(getattr(ref.cache, name)),
+        np.testing.assert_array_equal(np.asarray(got_arrays[name]), np.asarray(want_arrays[name]),
                                       err_msg=f"{name}, seed {seed}")
 
 
@@ -163,7 +165,7 @@ def _shared_stream(pol, share, tokens, *, rule="max", cold=16, page=4, chunk=1, 
     for t in range(0, len(tokens), chunk):
         out, cache = dec.feed(params, tokens[None, t:t + chunk], cache, pol)
         logits.append(np.asarray(out[0], np.float64))
-        choices.append((np.asarray(cache.cold_choice), np.asarray(cache.cold_choice_on)))
+        choices.append((np.asarray(cache.cold.choice), np.asarray(cache.cold.choice_on)))
     return np.concatenate(logits), choices, spec
 
 

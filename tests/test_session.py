@@ -15,6 +15,7 @@ import pytest
 from rsqr_jax import session as S
 from rsqr_jax.sampling import Sampling
 from rsqr_jax.spec import CacheSpec
+from rsqr_jax.cache import cache_arrays
 from rsqr_jax.session import Session, SessionFileError
 from tests.cli import run_in_process as run
 from tests.tiny_session import CFG, IDENTITY, POLICIES, SPEC, make_session, model
@@ -30,7 +31,7 @@ def _prompts(n: int, size: int = 13) -> list[np.ndarray]:
 
 def _state(session: Session) -> dict:
     """Everything that determines the continuation, as host arrays."""
-    out = {f"cache.{f.name}": np.asarray(getattr(session.cache, f.name)) for f in dataclasses.fields(session.cache)}
+    out = {f"cache.{k}": np.asarray(v) for k, v in cache_arrays(session.cache).items()}
     out["rng"] = np.asarray(session.rng)
     out["recent"] = np.asarray(session.recent)
     out["pending"] = np.asarray(-1 if session.pending is None else session.pending)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from rsqr_jax.kernels.store import RawSegment
 from rsqr_jax.kernels import survivor_attention
 from rsqr_jax.kernels import survivor_attention_reference
 from rsqr_jax.kernels.survivor_attention import (_angle_input, _survivor_attention_parts, rotation_table,
@@ -233,11 +234,12 @@ def test_xla_raw_tail_is_the_survivor_segment_with_it_appended(C, R):
         head[k], tail[k] = inp[k][:, :S], inp[k][:, S:]
     raw_tail = (tail["surv_k"], tail["surv_v"], tail["surv_rot_pos"], tail["surv_valid"])
     assert np.asarray(tail["surv_valid"]).any()
-    got = jax.jit(lambda *a: survivor_attention_xla(*a[:-4], inv, raw_tail=a[-4:]))(*args_of(head), *raw_tail)
+    got = jax.jit(lambda *a: survivor_attention_xla(*a[:-4], inv, raw_tail=RawSegment(*a[-4:])))(*args_of(head), *raw_tail)
     assert rel_err(got, reference(inp, inv)) < 1e-5
     assert rel_err(got, oracle_f64(*args_of(inp), inv)) < 1e-4
     masked = raw_tail[:3] + (jnp.zeros_like(raw_tail[3]),)
     # (the head's ranks reach past W + S: the table of the call with the tail)
     alone = jax.jit(lambda *a: survivor_attention_xla(*a, inv, rank_limit=33 + S + R))(*args_of(head))
-    with_masked = jax.jit(lambda *a: survivor_attention_xla(*a[:-4], inv, raw_tail=a[-4:]))(*args_of(head), *masked)
+    with_masked = jax.jit(lambda *a: survivor_attention_xla(*a[:-4], inv, raw_tail=RawSegment(*a[-4:])))(
+        *args_of(head), *masked)
     np.testing.assert_array_equal(np.asarray(with_masked), np.asarray(alone))

@@ -423,7 +423,7 @@ def device_positions(cache) -> np.ndarray:
 
 def cold_positions(cache) -> np.ndarray:
     """Global positions held in the recall tier's cold store."""
-    pos = np.asarray(cache.cold_pos).ravel()
+    pos = np.asarray(cache.cold.pos).ravel()
     return np.unique(pos[pos >= 0])
 
 

@@ -132,3 +132,9 @@ def _rope_table_cached(freq_bytes: bytes, n: int) -> np.ndarray:
     table = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
     table.setflags(write=False)
     return table
+
+
+def rotate_keys(k_BxHxNxD: jax.Array, pos_N: jax.Array, inv_freq) -> jax.Array:
+    """R_pos k for keys [B, H, N, D] at positions pos_N [N] (float32 result): how the cache rotates what it stores."""
+    cos, sin = rope_cos_sin(pos_N, inv_freq)  # [N, D/2]
+    return rotate_half_split(k_BxHxNxD, cos, sin)

@@ -43,7 +43,8 @@ def usable() -> bool:
     """available(), for a caller about to use the kernel: where it cannot be built, a warning once per process
     (cpu_ffi.warn_off) says why and what falling back costs."""
     reason = _load()
-    cpu_ffi.warn_off(NAME, reason)
+    if reason is not None:
+        cpu_ffi.warn_off(NAME, reason)
     return reason is None
 
 

@@ -11,41 +11,19 @@ RSQR_CPU_KERNEL=0 turns it off with the other CPU kernels.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from rsqr_jax.kernels import cpu_ffi
+from rsqr_jax.kernels.store import StoredRuns
 
 NAME = "recalled_attention"  # its key in cpu_ffi.KERNELS
 TARGET = "rsqr_recalled_attention"
 SOURCE = Path(__file__).with_name("recalled_attention.cc")
 QUERIES_MAX = 64  # query vectors per KV head (chunk rows x query heads per KV head) the kernel takes; more stay on XLA
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredRuns:
-    """More slots of the survivor segment that still lie in the store they were kept in (the recall tier's pages):
-    runs of `run` slots from each of starts_BxM in layer `layer` of K and V stacks [L, B, Hkv, N, D] as stored
-    (float32, or bfloat16 held as uint16 bits), their rotation positions and validity [B, M * run]; `read()` gives
-    their K and V [B, Hkv, M * run, D] in their logical dtype, for a path that takes arrays."""
-
-    k_stack: jax.Array
-    v_stack: jax.Array
-    layer: jax.Array
-    starts_BxM: jax.Array
-    run: int
-    rot_pos_BxR: jax.Array
-    valid_BxR: jax.Array
-    read: Callable[[], tuple[jax.Array, jax.Array]]
-
-    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """(k, v, rot_pos, valid): the slots as arrays."""
-        return (*self.read(), self.rot_pos_BxR, self.valid_BxR)
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,7 +45,8 @@ def usable() -> bool:
     """available(), for a caller about to use the kernel: where it cannot be built, a warning once per process
     (cpu_ffi.warn_off) says why and what falling back costs."""
     reason = _load()
-    cpu_ffi.warn_off(NAME, reason)
+    if reason is not None:
+        cpu_ffi.warn_off(NAME, reason)
     return reason is None
 
 

@@ -1,4 +1,4 @@
-"""Two-segment survivor attention (docs/design.md §6): the contract, its pure-jnp reference, and the kernel.
+"""Two-segment survivor attention: the contract, its pure-jnp reference, and the kernel.
 
     out = survivor_attention(q, win_k, win_v, win_pos, surv_k, surv_v, surv_rot_pos, surv_valid,
                              q_pos_win, q_pos_surv, inv_freq, *, scale=None, logit_cap=None,
@@ -25,7 +25,7 @@
 
 Three implementations of it live here: `survivor_attention_reference` (pure jnp, simple: the
 semantics), `survivor_attention` (the Pallas kernel: compiled on GPU, interpreted on CPU) and
-`survivor_attention_xla` (plain XLA tuned for CPU). docs/kernel.md describes the kernel.
+`survivor_attention_xla` (plain XLA tuned for CPU).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from rsqr_jax.kernels import recalled_attention
+from rsqr_jax.kernels.store import StoredRuns
 from rsqr_jax.kernels.exact_rope import _is_concrete, angles_from_words, rope_cos_sin, rope_table, rotate_half_split, turn_words
 
 # Finite mask value (as in jax.experimental.pallas.ops): -inf would turn fully masked rows into NaN.
@@ -207,7 +208,7 @@ def _key_block(n: int, block_k: int) -> tuple[int, int]:
 
 def default_num_warps(D: int, rows: int, kv_dtype) -> int:
     """4 warps for a decode tile at head_dim 64; 8 at head_dim 128 or a float32 chunk row block
-    (rows * D * itemsize >= 8 KiB): its query and accumulator tiles spill at 4 (compile report, docs/kernel.md)."""
+    (rows * D * itemsize >= 8 KiB): its query and accumulator tiles spill at 4 (the H200 compile report)."""
     return 8 if D >= 128 or rows * D * jnp.dtype(kv_dtype).itemsize >= 8192 else 4
 
 
@@ -569,16 +570,15 @@ def survivor_attention_xla(
 
     rank_limit: survivor positions lie in [0, rank_limit) (default W + S; outside gives NaN scores);
     block_bytes: size of one block of rotated survivor keys (float32, all batch rows and KV heads) when
-    all of them would exceed whole_segment_bytes. raw_tail: None, or more of the survivor segment given apart,
-    (k, v, rot_pos, valid) shaped like its arrays with R slots, or those slots where they lie in a store
-    (recalled_attention.StoredRuns): the contract over the survivor segment with these R slots appended (the
-    default rank_limit counts them), as its own partial softmax - the recall tier's tokens (rsqr_jax.layer_step)
-    without copying the survivors and them into one array at every layer; stored slots go through the CPU kernel
-    recalled_attention where it applies (a decode step), read out of the store otherwise."""
+    all of them would exceed whole_segment_bytes. raw_tail: None, or more slots of the survivor segment given apart
+    (kernels.store.RawSegment, or kernels.store.StoredRuns where they still lie in a store): the contract over the
+    survivor segment with these R slots appended (the default rank_limit counts them), as a partial softmax of their
+    own, merged with the window's and the survivors'; stored slots go through the CPU kernel recalled_attention where
+    it applies (a decode step), and are read out of the store otherwise."""
     B, C, Hq, D = q.shape
     Hkv, W, S = win_k.shape[1], win_k.shape[2], surv_k.shape[2]
-    stored = isinstance(raw_tail, recalled_attention.StoredRuns)
-    R = 0 if raw_tail is None else raw_tail.rot_pos_BxR.shape[1] if stored else raw_tail[0].shape[2]
+    stored = isinstance(raw_tail, StoredRuns)
+    R = 0 if raw_tail is None else raw_tail.rot_pos_BxR.shape[1]
     G = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
     hp = jax.lax.Precision.HIGHEST
@@ -611,7 +611,7 @@ def survivor_attention_xla(
     if R and stored and recalled_attention.applies(raw_tail, C * G, logit_cap):
         parts.append(recalled_attention.recalled_partial(raw_tail, qs, table))
     elif R:
-        tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail.arrays() if stored else raw_tail
+        tail_k, tail_v, tail_rot_pos, tail_valid = raw_tail.arrays()
         s_tail = _survivor_scores(qs, tail_k, tail_rot_pos, table, block_bytes, whole_segment_bytes)
         parts.append(partial(s_tail, tail_v, jnp.broadcast_to(tail_valid[:, None, :], (B, C, R))))
     if not parts:

@@ -5,6 +5,7 @@ computes and what the cache must hold per layer type."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -71,46 +72,53 @@ class ModelConfig:
                 raise ModelLoadError(f"layer_types must name {self.num_layers} layers, each {LOCAL!r} or {GLOBAL!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window must be positive, got {self.sliding_window}")
+        # Every derived constant once, here: a model's trace reads them per layer.
+        for name in DERIVED:
+            getattr(self, name)
 
-    @property
+    @functools.cached_property
     def gemma(self) -> bool:
         return self.arch in GEMMA
 
-    @property
+    @functools.cached_property
     def local_rope(self) -> tuple[bool, ...]:
         """Per layer: typed LOCAL (it uses local_inv_freq)."""
         return tuple(t == LOCAL for t in (self.layer_types or (GLOBAL,) * self.num_layers))
 
-    @property
+    @functools.cached_property
     def is_local(self) -> tuple[bool, ...]:
         """Per layer: attends to a bounded window (typed LOCAL, with a sliding_window): it keeps a ring of its own
         in the cache, the other layers the policy's cache."""
         return tuple(r and self.sliding_window is not None for r in self.local_rope)
 
-    @property
+    @functools.cached_property
     def local_layers(self) -> int:
         """How many layers are local: the cache gives them a ring of their own (CacheSpec.local_layers)."""
         return sum(self.is_local)
 
-    @property
+    @functools.cached_property
     def local_window(self) -> int:
         """The local layers' window (tokens each attends to, itself included); 0 without local layers."""
         return int(self.sliding_window) if self.local_layers else 0
 
-    @property
+    @functools.cached_property
     def attn_scale(self) -> float | None:
         """The attention scale when it is not head_dim ** -0.5 (None: the kernels' default)."""
         return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
 
-    @property
+    @functools.cached_property
     def inv_freq(self) -> np.ndarray:
         """float32 [head_dim/2] inverse frequencies of the global layers (numpy: a model constant, so angles
         stay exact)."""
         return inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
 
-    @property
+    @functools.cached_property
     def local_inv_freq(self) -> np.ndarray:
         """float32 [head_dim/2] inverse frequencies of the local layers."""
         if self.local_rope_theta is None:
             return self.inv_freq
         return inverse_frequencies(self.head_dim, self.local_rope_theta, self.local_rope_scaling)
+
+
+DERIVED = ("gemma", "local_rope", "is_local", "local_layers", "local_window", "attn_scale", "inv_freq",
+           "local_inv_freq")

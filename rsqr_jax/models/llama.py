@@ -171,7 +171,7 @@ class Llama(nnx.Module):
         if ring.any():
             cache = cache.replace(loc_pos=local.next_pos)
         row = getattr(plan, "logits_row", None)  # a custom `attend` may pass no StepPlan (studies.reproduce_arms)
-        if row is not None:  # only the row the caller reads (update.step's last_logits)
+        if row is not None:  # only the row the caller reads (engine.step's last_logits)
             x_BxCxH = jax.lax.dynamic_slice_in_dim(x_BxCxH, row, 1, axis=1)
         h = norm(x_BxCxH, self.final_norm[...])
         if self.lm_head is None:  # tied: contract the embedding's H axis in place (a `.T` made XLA:CPU copy

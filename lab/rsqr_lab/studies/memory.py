@@ -178,7 +178,7 @@ def _stream(cache, i: int):
     import types
 
     return types.SimpleNamespace(win_pos=np.asarray(cache.win_pos)[i], surv_pos=np.asarray(cache.surv_pos)[i],
-                                 cold_pos=np.asarray(cache.cold_pos)[i])
+                                 cold_pos=np.asarray(cache.cold.pos)[i])
 
 
 def summarize(rows_by_arm: dict[str, list[dict]], demo: chat.MemoryDemo = chat.DEMO) -> list[dict]:

@@ -119,9 +119,9 @@ def run(cfg: PageChoiceConfig, model: RecallModel, *, show_progress: bool = True
                 logits, fork = dec.feed(model.params, np.pad(first[:, None], ((0, 0), (0, C - 1))), fork, pol, 1)
                 second = np.asarray(jnp.argmax(logits[:, 0], axis=-1))
                 digit = np.where(first == space, second, first)
-                cold_pos = np.asarray(fork.cold_pos)
+                cold_pos = np.asarray(fork.cold.pos)
                 pages_held[c] = int((cold_pos.reshape(n_pages, -1) >= 0).any(axis=1).sum())
-                r = fact_page_ranks(np.asarray(fork.cold_choice), cold_pos, cold.page_size, fact_pos)
+                r = fact_page_ranks(np.asarray(fork.cold.choice), cold_pos, cold.page_size, fact_pos)
                 for j, i in enumerate(rows):
                     ranks[c].append(r[:, j].tolist())
                     first_ok[c].append(bool(digit[j] == digit0[i]))

@@ -81,7 +81,9 @@ def _recallable(session) -> int:
 
     c, pol = session.cache, session.policy
     w0 = int(window_start(c.t, pol.window, pol.block, c.start))
-    pos = np.asarray(c.cold_pos)
+    if c.cold is None:
+        return 0
+    pos = np.asarray(c.cold.pos)
     return int(((pos >= 0) & (pos < w0)).sum())
 
 
@@ -95,9 +97,16 @@ def _adopt(session, src) -> None:
     fields = {}
     for f in dc.fields(session.cache):
         mine, theirs = getattr(session.cache, f.name), getattr(src.cache, f.name)
-        if mine.shape == theirs.shape:
+        if f.name == "cold":
+            if mine is not None and theirs is not None:  # the same store: its arrays of the same shape
+                fields["cold"] = mine.replace(**{
+                    g.name: jnp.copy(getattr(theirs, g.name)) for g in dc.fields(mine)
+                    if g.name != "page_size" and getattr(mine, g.name) is not None
+                    and getattr(theirs, g.name) is not None
+                    and getattr(mine, g.name).shape == getattr(theirs, g.name).shape})
+        elif mine.shape == theirs.shape:
             fields[f.name] = jnp.copy(theirs)  # a copy of its own: steps donate the cache they are given
-        elif not f.name.startswith("cold_"):
+        else:
             raise ValueError(f"cannot start from the filled stream: cache field {f.name} differs in shape")
     session.cache = session.cache.replace(**fields)
     session.recent, session.pending, session.rng = jnp.copy(src.recent), src.pending, jnp.copy(src.rng)
