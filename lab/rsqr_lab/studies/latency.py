@@ -138,9 +138,9 @@ def trace(cache, policy: Policy, n_steps: int) -> dict:
             "release": i32(window_start(nxt["t"], policy.window, policy.block, c.start)
                            != window_start(c.t, policy.window, policy.block, c.start)),
             "dropped": i32(jnp.sum((c.surv_pos >= 0) & (nxt["surv_pos"] < 0))),
-            "recallable": i32(jnp.sum(plan.recall.token_valid_Nc)),
+            "recallable": i32(0 if plan.recall is None else jnp.sum(plan.recall.token_valid_Nc)),
         }
-        return c.replace(**nxt), out
+        return commit(c, plan), out
 
     return jax.lax.scan(body, cache, None, length=n_steps)[1]
 
@@ -170,11 +170,18 @@ def rotation_counts(mode: str, tr: dict, recall_slots: int = 0) -> dict:
 
 def randomize_kv(cache, seed: int):
     """Random K/V values (the step's cost does not depend on them)."""
-    upd = {}
+    upd, cold = {}, {}
     keys = jax.random.split(jax.random.PRNGKey(seed), 8)
-    for k, name in zip(keys, ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold_k", "cold_v", "cold_sum")):
-        x = getattr(cache, name)
-        upd[name] = (0.5 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+    draw = lambda k, x: (0.5 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)  # noqa: E731
+    for k, name in zip(keys, ("win_k", "win_v", "surv_k", "surv_v", "surv_k_rot", "cold.k", "cold.v", "cold.sums")):
+        if name.startswith("cold."):
+            x = None if cache.cold is None else getattr(cache.cold, name[5:])
+            if x is not None:
+                cold[name[5:]] = draw(k, x)
+        else:
+            upd[name] = draw(k, getattr(cache, name))
+    if cold:
+        upd["cold"] = cache.cold.replace(**cold)
     return cache.replace(**upd)
 
 
