@@ -21,7 +21,7 @@ import pytest
 
 from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
-from rsqr_jax import update as U
+from rsqr_jax import engine as U
 from rsqr_jax.engine import Decoder, stream_nll
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec

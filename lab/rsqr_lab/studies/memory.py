@@ -177,8 +177,9 @@ def _stream(cache, i: int):
     """Stream i of a vmap_streams cache (its position fields)."""
     import types
 
+    cold = None if cache.cold is None else types.SimpleNamespace(pos=np.asarray(cache.cold.pos)[i])
     return types.SimpleNamespace(win_pos=np.asarray(cache.win_pos)[i], surv_pos=np.asarray(cache.surv_pos)[i],
-                                 cold_pos=np.asarray(cache.cold.pos)[i])
+                                 cold=cold)
 
 
 def summarize(rows_by_arm: dict[str, list[dict]], demo: chat.MemoryDemo = chat.DEMO) -> list[dict]:
