@@ -2,8 +2,11 @@
 # One entry point for a fresh machine with only python3: makes .venv, installs what the command needs
 # (once; again when pyproject.toml changes), then runs:
 #   bash scripts/dev.sh demo [decode.py flags]   the memory demo chat: the runtime and the embedded model only
-#   bash scripts/dev.sh test [pytest flags]      the whole test suite (what CI runs): adds torch, pytest, lm-eval
-#                                                and lab/ (rsqr_lab: the studies, benchmarks, device tools)
+#   bash scripts/dev.sh test [pytest flags]      the test suite without the slow tests (-m "not slow"; the README's
+#                                                command, <= 15 min on 2 cores): adds torch, pytest, lm-eval and
+#                                                lab/ (rsqr_lab: the studies, benchmarks, device tools);
+#                                                `test -m slow` runs only the slow ones, `test -m ""` everything
+#                                                (CI runs the two selections one after the other: .ci/run)
 #   bash scripts/dev.sh setup                    install everything (what `test` installs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +43,10 @@ case "$cmd" in
   demo) setup runtime; exec "$VENV/bin/python" scripts/decode.py "$@" ;;
   # One pytest worker per core (pytest-xdist; RSQR_TEST_WORKERS=0 runs in one process), tests handed out as
   # workers free up (the slow files would otherwise set the pace); the 25 slowest tests are listed at the end.
-  test) setup all; exec "$VENV/bin/python" -m pytest -q -n "${RSQR_TEST_WORKERS:-auto}" --dist worksteal --durations=25 "$@" ;;
+  # The slow tests (pyproject.toml's marker: the real model, whole study and benchmark runs, multi-process runs)
+  # are left out by default; a -m given here comes later on the command line and replaces it (pytest keeps the
+  # last -m). A slow test named by its node id is deselected too unless -m slow (or -m "") is given.
+  test) setup all; exec "$VENV/bin/python" -m pytest -q -n "${RSQR_TEST_WORKERS:-auto}" --dist worksteal --durations=25 \
+          -m "not slow" "$@" ;;
   *) echo "dev.sh: unknown command '$cmd' (use demo, test or setup)" >&2; exit 2 ;;
 esac

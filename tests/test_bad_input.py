@@ -168,6 +168,7 @@ def test_resume_with_a_plain_session_rejects_chat(cli, files):
 # Command line: rows that need the real model's config (read before its tokenizer and weights); one batch.
 
 
+@pytest.mark.slow
 def test_cache_too_large_and_a_session_of_another_model_are_refused_before_loading(tmp_path, smollm2_path):
     from rsqr_jax.models.llama import LoadedModel
     from rsqr_jax.models.loading import load_config

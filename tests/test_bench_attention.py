@@ -14,6 +14,7 @@ from rsqr_jax.eval.runtime import ConfigError
 from rsqr_lab.testing.kernel import oracle_f64, rel_err, rope_inv_freq
 
 
+@pytest.mark.slow
 def test_quick_run_rows_ratios_and_json(tmp_path):
     result = X.run(X.BenchAttentionConfig(quick=True, budget_s=0.01), command="test", log=None)
     Ns, batches, budget = X.BenchAttentionConfig(quick=True, budget_s=0.01).sizes

@@ -41,6 +41,7 @@ def result():
     return B.run(TINY, apply_fn, params, CFG, CharTokenizer())
 
 
+@pytest.mark.slow
 def test_every_arm_has_positive_finite_figures(result):
     assert [r["arm"] for r in result["rows"]] == [a.name for a in B.ARMS]
     assert B.finite_positive(result)
@@ -54,12 +55,14 @@ def test_every_arm_has_positive_finite_figures(result):
     assert {q["meets"] for q in result["ratios"] if q["target"] is None} == {None}
 
 
+@pytest.mark.slow
 def test_engine_and_cli_reply_alike_from_one_seed(result):
     # same seed, same prompt: the reply loop and the blocks sample the very same tokens
     assert result["same_text"]["rsqr_cli == rsqr_engine"] and result["same_text"]["recall_cli == recall_engine"]
     assert result["seed"] == 3 and result["prompt_tokens"] == len("<user>hi</><assistant>")
 
 
+@pytest.mark.slow
 def test_table_and_json_shape(result, tmp_path):
     md = B.markdown(result)
     assert "seed 3" in md and md.count("\n| ") == 2 + len(B.ARMS) + len(B.RATIOS)  # two headers and the rows

@@ -165,6 +165,7 @@ def tiny_run(tiny, tmp_path_factory):
     return res, out, engine.TRACES["feed"] - traces
 
 
+@pytest.mark.slow
 def test_tiny_properties(tiny_run):
     res, _, _ = tiny_run
     check_all(res.data)
@@ -173,6 +174,7 @@ def test_tiny_properties(tiny_run):
     assert "W=16,b=1,delta=4,S=4" in res.data["model"]["configs"]
 
 
+@pytest.mark.slow
 def test_tiny_oracle_and_compilations(tiny_run):
     res, _, n_traces = tiny_run
     oracle = res.data["model"]["oracle"]
@@ -186,6 +188,7 @@ def test_tiny_oracle_and_compilations(tiny_run):
     assert n_traces == 3
 
 
+@pytest.mark.slow
 def test_tiny_files_replot_and_partial_rerun(tiny, tiny_run, tmp_path):
     res, out, _ = tiny_run
     for name in ("drift_keys.png", "drift_grid.png", "drift_pairs.png", "drift_attention.png", "drift_model.png"):

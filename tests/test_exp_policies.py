@@ -33,6 +33,7 @@ def tiny_run(tmp_path_factory):
     return config, policies.run(config, load, show_progress=False)
 
 
+@pytest.mark.slow
 def test_tiny_rows_and_checks(tiny_run):
     config, result = tiny_run
     res = result.to_json()
@@ -69,6 +70,7 @@ def test_tiny_rows_and_checks(tiny_run):
     assert "| check |" in md and md.count("\n| streamingllm(W=16, N=2) | float32 |") == 1
 
 
+@pytest.mark.slow
 def test_rescore_rebuilds_the_same_tables(tiny_run, tmp_path):
     _, result = tiny_run
     result.write(str(tmp_path))

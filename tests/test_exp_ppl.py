@@ -40,6 +40,7 @@ def tiny(tmp_path_factory):
     return config, result, out
 
 
+@pytest.mark.slow
 def test_shape_and_curves(tiny):
     config, result, out = tiny
     res = json.loads((out / "exp_ppl.json").read_text())
@@ -73,6 +74,7 @@ def test_shape_and_curves(tiny):
     assert "| replay | " in md and "(n=48)" in md and "first 48 tok" in md
 
 
+@pytest.mark.slow
 def test_interruption_keeps_finished_pieces(tiny, monkeypatch):
     """A KeyboardInterrupt (SIGTERM in the script) in the 2nd piece of the W=16 batch: the cell keeps full
     and the batch's first piece (32 scored tokens), equal to the uninterrupted run's."""
@@ -98,6 +100,7 @@ def test_interruption_keeps_finished_pieces(tiny, monkeypatch):
     assert "**Interrupted** during `W=16 float32` after 32 scored tokens" in result.markdown()
 
 
+@pytest.mark.slow
 def test_rescore_rebuilds_the_same_tables(tiny, tmp_path):
     """rescore recomputes every number of the summary from the saved per-token NLL, without the model."""
     _, result, out = tiny
@@ -131,6 +134,7 @@ def relabel(src: Path, window: int, **config) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_merge_adds_a_separately_run_cell(tiny, tmp_path):
     """merge(DIR, [SRC]) then rescore(DIR): one table from two runs; a cell DIR already has is refused, and
     so is a run with other cell-defining settings."""

@@ -160,6 +160,7 @@ def test_layout_matches_the_token_set_oracle(tiny):
     assert seen == {"sink", "survivor", "window", "evicted"}
 
 
+@pytest.mark.slow
 def test_ask_is_the_greedy_loop_of_steps_and_leaves_the_stream_cache_alone(tiny):
     """ask() (question chunk, then Decoder.generate) = the old runner's argmax loop over `step`, token for
     token; the stream's cache is copied, so asking twice gives the same answer."""
@@ -199,6 +200,7 @@ def study(tiny, tmp_path_factory):
     return cfg, models
 
 
+@pytest.mark.slow
 def test_in_process_quick_study_one_compilation(study, tmp_path):
     cfg, models = study
     before = dict(engine.TRACES)

@@ -222,6 +222,7 @@ def _hf_greedy_reply(directory, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_decode_rsqr_on_each_family(family_dirs):
     """`decode.py --model DIR --policy rsqr` on a saved tiny Qwen3 and Mistral, and a Mistral whose 24-token
     sliding window the prompt overflows (one process for all): the greedy reply is transformers' greedy reply

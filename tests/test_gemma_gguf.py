@@ -171,6 +171,7 @@ def test_bad_gemma_gguf_one_line(gemma_files, tmp_path):
     assert_one_line_error(proc, "layer_norm_rms_epsilon missing", after_status=True)
 
 
+@pytest.mark.slow
 def test_decode_rsqr_on_gemma_gguf(gemma_files, capsys):
     """`decode.py --model tiny_gemma.gguf --policy rsqr` (rsqr_jax.cli.decode.main, in process): the greedy reply
     is transformers' on the directory the file came from (the prompt overflows the local window), and the local

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.cli import ENV, REPO, assert_one_line_error
 
 
@@ -18,6 +20,7 @@ def _sh(*args, out, timeout=300):
                           env=env, cwd=REPO, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_of_the_three_phases(tmp_path):
     proc = _sh("--cpu-dry-run", out=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

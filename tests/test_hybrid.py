@@ -165,6 +165,7 @@ def test_hybrid_policy_against_oracle(gemma_dirs, loaded, name, policy):
     assert float(np.abs(full - ref).max() / np.abs(ref).max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_decode_rsqr_on_gemma(gemma_dirs):
     """`decode.py --model DIR --policy rsqr` on a saved tiny Gemma 2 and Gemma 3 (one process): the greedy
     reply is transformers' (the prompt is longer than the local window, shorter than the policy's)."""

@@ -82,6 +82,7 @@ class _Tokenizer(ByteTokenizer):
         return super().decode([ids] if isinstance(ids, int) else ids)
 
 
+@pytest.mark.slow
 def test_lm_eval_builtin_tasks_through_include_yaml_same_with_streams(model):
     """lm-eval's own lambada_openai and wikitext, run from tests/data/lm_eval_builtin/builtin.yaml (local
     data in their schema) on the tiny model: RsqrLM with batch_size=2 (StreamsEngine) gives the same

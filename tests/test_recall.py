@@ -493,6 +493,7 @@ def test_recall_needs_a_raw_survivor_mode_a_cold_store_and_a_cap():
         spec_for([P.rsqr(8, 2, 3, 3)], 32, cold=8, page=4, max_pages=7)
 
 
+@pytest.mark.slow
 def test_fact_probe_runs_every_arm_deterministically(tmp_path):
     """The acceptance experiment's mechanics on the tiny model (its answers are noise; the real model's
     figures are in docs/recall_tier.md)."""
@@ -611,6 +612,7 @@ def test_recall_flags_bad_input_is_one_line(cli, script, args, fragment):
     assert_one_line_error(cli[script, *args], fragment)
 
 
+@pytest.mark.slow
 def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
     from rsqr_lab.studies import recall_timing as B
     from rsqr_lab.testing.tokenizer import ByteTokenizer
@@ -647,6 +649,7 @@ def test_bench_recall_reports_every_cold_size_against_plain_rsqr(tmp_path):
         B.BenchRecallConfig(str(text), (0, 30), page_size=4)
 
 
+@pytest.mark.slow
 def test_bench_recall_fill_gives_every_arm_a_filled_store_of_its_own_layout(tmp_path, monkeypatch):
     """--fill: an arm starts from a fill whose cache has its shapes in every field (the max rule's scoring
     copy in float32 or int8), so no part of its store is left empty while its cold_pos says full."""
@@ -677,6 +680,7 @@ def test_bench_recall_fill_gives_every_arm_a_filled_store_of_its_own_layout(tmp_
     assert adopted[2] and all(name.startswith("cold_") for name in adopted[2])  # plain rsqr: no store
 
 
+@pytest.mark.slow
 def test_bench_recall_without_weights_runs_the_same_cache_on_a_projection_that_reads_none(tmp_path):
     """--no-weights: weightless_matmul gives each projection its output width (dense, block or tiled weights) without
     reading them, and a recalling arm runs on it against plain rsqr."""

@@ -53,15 +53,18 @@ def full_acc():
     return accuracy(rj.full())
 
 
+@pytest.mark.slow
 def test_full_attention_answers(full_acc):
     assert full_acc >= 0.85
 
 
+@pytest.mark.slow
 def test_bounded_cache_without_recall_is_near_chance():
     assert accuracy(rj.rsqr(8, 2, 8, 4)) <= 0.35
     assert accuracy(rj.streamingllm(8, 2)) <= 0.35
 
 
+@pytest.mark.slow
 def test_recall_brings_the_evicted_facts_back(full_acc):
     one = accuracy(rj.rsqr(8, 2, 8, 4, recall_pages=4), rj.ColdStore(64, 1))
     assert one >= 0.85 and one >= full_acc - 0.05

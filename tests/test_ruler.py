@@ -32,6 +32,7 @@ def quick(tmp_path_factory, smollm2_path):
     return root, args, first, json.loads(out.read_text()), png
 
 
+@pytest.mark.slow
 def test_quick_table_scores_every_cell(quick):
     root, _, proc, result, png = quick
     assert set(result["cells"]) == set(DEFAULT_TASKS)
@@ -62,6 +63,7 @@ def test_quick_table_scores_every_cell(quick):
         nltk.data.find("tokenizers/punkt_tab")
 
 
+@pytest.mark.slow
 def test_second_run_answers_from_the_cache(quick):
     root, args, first, result, _ = quick
     again = run_in_process("eval_ruler.py", *args)
@@ -73,6 +75,7 @@ def test_second_run_answers_from_the_cache(quick):
         [ln for ln in first.stdout.splitlines() if ln.startswith("| ")]
 
 
+@pytest.mark.slow
 def test_report_scores_right_answers_one(quick):
     """The right answers written into the rsqr cache score 1 under lm-eval's own RULER scoring (and the
     other policies keep theirs): the report reads the cache, and the score is not a constant."""
@@ -119,6 +122,7 @@ def test_bad_input_one_line_errors():
     ])
 
 
+@pytest.mark.slow
 def test_answer_generates_every_task_but_runs_only_the_chosen(quick, monkeypatch):
     """--answer: every task is still generated (so each keeps its samples), only the chosen go to the model."""
     import lm_eval
@@ -143,6 +147,7 @@ def test_answer_generates_every_task_but_runs_only_the_chosen(quick, monkeypatch
             assert out["cells"][t][p]["n"] == N and out["cells"][t][p]["targets"] == result["cells"][t][p]["targets"]
 
 
+@pytest.mark.slow
 def test_merge_keeps_the_longer_cell_and_refuses_other_samples(quick):
     import copy
 
@@ -166,6 +171,7 @@ def test_merge_keeps_the_longer_cell_and_refuses_other_samples(quick):
         merge_reports({**earlier, "config": {**earlier["config"], "seq_len": 4096}}, result)
 
 
+@pytest.mark.slow
 def test_start_answers_only_later_samples_and_follows_the_earlier_report(quick, tmp_path):
     """--start N --merge REPORT: the model answers samples N.. only (one request per cell and round here), and
     each merged cell is what a run from sample 0 over the same answers reports; an earlier report that lacks

@@ -47,6 +47,7 @@ def run_soak(model, text, on_checkpoint=None, **kw) -> S.SoakResult:
     return S.run(config, *model, CFG, ByteTokenizer(CFG.vocab_size), on_checkpoint=on_checkpoint)
 
 
+@pytest.mark.slow
 @pytest.mark.xla_optimized  # 5000 steps: the run, not the compilation, is the cost
 def test_soak_5000_tokens_tiny_model(model, text, tmp_path):
     res = run_soak(model, text, tokens=5000)

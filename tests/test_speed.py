@@ -165,6 +165,7 @@ def test_event_bump_label_says_why_there_is_none():
 TEXT = "It was on a dreary night of November that I beheld the accomplishment of my toils. " * 40
 
 
+@pytest.mark.slow
 def test_latency_run_on_the_tiny_model(tmp_path):
     """Probe positions, rotation counts and the JSON layout of a whole (small) latency run."""
     apply_fn, params = _model()
@@ -197,6 +198,7 @@ def test_latency_run_on_the_tiny_model(tmp_path):
     assert (tmp_path / "latency.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_bench_decode_matches_hf_greedy_on_the_tiny_model(tmp_path):
     """Our greedy continuation equals HF's (holding our very weights); a bounded row holds `cached` tokens."""
     pytest.importorskip("torch")

@@ -27,6 +27,7 @@ def gemma2(tmp_path_factory):
     return (loaded, *split_apply(loaded.model), str(root / "filler.txt"))
 
 
+@pytest.mark.slow
 def test_fact_probe_and_recall_study_run_on_gemma2(gemma2, tmp_path):
     """The fact probe (Sessions, with the recall tier) and the recall study (--quick-sized: batched streams;
     replay is not defined for hybrid models) run past the local window: the fact has left the local rings and

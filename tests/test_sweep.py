@@ -108,6 +108,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_sweep_over_4_devices_equals_unsharded(tmp_path):
     _, _, nll, _ = _grid_run()
     np.save(tmp_path / "tokens.npy", TOKENS)
@@ -351,6 +352,7 @@ def test_bench_sweep_bad_config(kw, match):
         BX.BenchSweepConfig.make(quick=True, grid="mode=rsqr windw=8").validate()
 
 
+@pytest.mark.slow
 def test_bench_sweep_cli_quick_writes_json_in_out_dir(tmp_path):
     """The one subprocess smoke test of scripts/bench_sweep.py: two child processes, tiny model."""
     import json
