@@ -286,3 +286,32 @@ def test_unsupported_gguf_architecture(tmp_path):
     with pytest.raises(ModelLoadError) as e:
         load_config(path)
     _assert_one_line_error(e, "'mamba'", "llama", "qwen2")
+
+
+def test_gguf_sampling_keys_are_the_models_defaults_and_reuse_the_open_parse(tmp_path):
+    """A GGUF's general.sampling.* keys become the model's sampling defaults (ints where the field is one); the read
+    reuses the parse the config made, and leaves nothing held when nothing else holds the file."""
+    import gguf
+
+    from rsqr_jax.models import gguf as G
+    from rsqr_jax.models.loading import load_generation_defaults
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_float32("general.sampling.temp", 0.25)
+    w.add_uint32("general.sampling.top_k", 7)
+    w.add_float32("general.sampling.penalty_repeat", 1.5)
+    w.add_string("general.sampling.top_p", "not a number")  # unreadable: ignored
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    G.forget_readers()
+    got = load_generation_defaults(path)
+    assert got == {"temperature": pytest.approx(0.25), "top_k": 7, "repeat_penalty": pytest.approx(1.5)}, got
+    assert isinstance(got["top_k"], int) and not G.reader_is_open()
+    G.open_reader(path)  # a parse held by the loader is reused, and stays held
+    assert load_generation_defaults(path) == got and G.reader_is_open()
+    G.forget_readers()

@@ -76,6 +76,11 @@ def open_reader(p: Path):
     return _reader(str(p.resolve()), st.st_size, st.st_mtime_ns)
 
 
+def reader_is_open() -> bool:
+    """Whether a parsed file is held (open_reader's cache)."""
+    return _reader.cache_info().currsize > 0
+
+
 def forget_readers() -> None:
     """Drop the cached parse (its memmap and ~250k small arrays of metadata) once nothing needs it."""
     _reader.cache_clear()

@@ -152,9 +152,12 @@ def load_generation_defaults(path: str | os.PathLike | None = None) -> dict:
             if cfg.get("do_sample") is False:
                 out["temperature"] = 0.0
         else:
-            from gguf import GGUFReader
+            from rsqr_jax.models import gguf as G
 
-            fields = GGUFReader(str(p)).fields
+            opened = G.reader_is_open()
+            fields = G.open_reader(p).fields  # the parse the config and the weights read too
+            if not opened:  # nothing else holds it: its memmap and metadata go
+                G.forget_readers()
             for key, field in _GGUF_SAMPLING.items():
                 if key in fields:
                     value = fields[key].contents()
