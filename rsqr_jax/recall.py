@@ -5,7 +5,7 @@ recall is off), where each new token goes in its ring (`plan_ring`, once per ste
 and of the page summaries its rule scores (`write_cold`), the scores and the top-R choice with neighbours
 (`choose_pages_to_recall`), and where the recalled tokens sit (`recalled_layout`: in the raw segment at their
 ranks, read where they lie as a `kernels.store.StoredRuns`; or added to the window segment,
-`extend_window_segment`). The step (rsqr_jax.update, rsqr_jax.layer_step) calls it; it calls only kernels.
+`extend_window_segment`). The step (rsqr_jax.update) calls it; it calls only kernels.
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ from rsqr_jax.models.llama import Llama, split_apply
 from rsqr_jax import policy as P
 from rsqr_jax.cache import init_cache
 from rsqr_jax.spec import CacheSpec
-from rsqr_jax.layer_step import attend_layer
 from rsqr_jax.engine import step
-from rsqr_jax.update import commit, plan_step
+from rsqr_jax.update import attend_layer, commit, plan_step
 from rsqr_lab.testing.oracle import reference_token_sets, stream_logits_f64
 from rsqr_jax.models.tiny import tiny_config, tiny_weights
 

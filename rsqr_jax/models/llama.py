@@ -3,7 +3,7 @@ Qwen3 q/k norms, Gemma 2 / Gemma 3; rsqr_jax.models.config).
 
 Layer weights are stacked on a leading axis and the layers run under one `lax.scan`, so compile time
 does not grow with depth. Attention is not implemented here: each global layer hands its raw q/k/v to
-`rsqr_jax.layer_step.attend_layer`, which owns RoPE, the cache and every eviction policy; each local
+`rsqr_jax.update.attend_layer`, which owns RoPE, the cache and every eviction policy; each local
 (sliding-window) layer of a hybrid model to `rsqr_jax.hybrid.attend_local`, its own ring of the window.
 """
 
@@ -24,8 +24,7 @@ from rsqr_jax.models.blocks import logits as tied_logits
 from rsqr_jax.models.config import ModelConfig
 from rsqr_jax import hybrid
 from rsqr_jax.cache import KVCache
-from rsqr_jax.layer_step import attend_layer
-from rsqr_jax.update import StepPlan
+from rsqr_jax.update import StepPlan, attend_layer
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
