@@ -44,7 +44,7 @@ from rsqr_jax import policy as P
 from rsqr_jax.cache import KV_FIELDS, KVCache, init_cache, init_policy_cache
 from rsqr_jax.kernels.store import BITS_DTYPE
 from rsqr_jax.policy import Policy
-from rsqr_jax.recall import config_of
+from rsqr_jax.recall import RecallConfig, config_of
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling, SamplingValues, push_recent, sample
 from rsqr_jax.spec import CacheSpec, validate
 from rsqr_jax.update import StepPlan, commit, plan_step
@@ -99,7 +99,7 @@ def _replay(apply_fn: ApplyFn, params, cache: KVCache, plan: StepPlan):
 
 def step(apply_fn: ApplyFn, params, tokens_BxC: jax.Array, cache: KVCache, policy: Policy,
          n_valid: jax.Array | int | None = None, *, last_logits: bool = False,
-         recall: R.RecallConfig | None = None) -> tuple[jax.Array, KVCache]:
+         recall: RecallConfig | None = None) -> tuple[jax.Array, KVCache]:
     """Append a chunk (its first n_valid tokens real) under `policy`: logits [B, C, V] and the new cache.
 
     last_logits (static): only the last real token's logits, [B, 1, V] (what sampling reads): the plan names that

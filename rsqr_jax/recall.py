@@ -15,7 +15,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rsqr_jax.kernels import page_scores as page_scores_kernel
 from rsqr_jax.kernels.exact_rope import rope_cos_sin, rotate_half_split

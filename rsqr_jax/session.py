@@ -27,7 +27,7 @@ from rsqr_jax.cache import (MAX_POSITION, KVCache, cache_arrays, cache_from_arra
                             pin_span, pinned_count)
 from rsqr_jax.engine import Decoder, SamplerState, policy_values
 from rsqr_jax.host import release_free_heap
-from rsqr_jax.kernels.cpu_status import kernel_status
+from rsqr_jax.kernels import cpu_status
 from rsqr_jax.policy import FULL as P_FULL
 from rsqr_jax.policy import Policy, host_policies
 from rsqr_jax.sampling import DEFAULT_MAX_CANDIDATES, Sampling
@@ -78,7 +78,7 @@ class Session:
         self.decoder = Decoder(apply_fn, spec, fixed_policy=policy_values(policy), gen_block=gen_block,
                                repeat_last_n=sampling.repeat_last_n, max_candidates=max_candidates)
         if jax.default_backend() == "cpu":  # the CPU kernels are built and registered now, not inside a trace
-            kernel_status(build=True)
+            cpu_status.build_all()
         self.sampling, self.seed = sampling, int(seed)
         self._values = sampling.values()
         self.eos_ids = frozenset(int(e) for e in eos_ids)

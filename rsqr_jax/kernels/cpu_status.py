@@ -48,6 +48,13 @@ def _status(module, build: bool) -> KernelStatus:
     return KernelStatus(name, cpu_ffi.KERNELS[name].label, reason is None, reason, cpu_ffi.built_isa(name))
 
 
+def build_all() -> None:
+    """Build and register every CPU kernel not built yet in this process (seconds the first time on a machine, then
+    cached; nothing where they cannot be built, which their first use then reports)."""
+    for m in MODULES:
+        m._load()
+
+
 def kernel_status(build: bool = False) -> tuple[KernelStatus, ...]:
     """Each CPU kernel's status (block_matvec, page_scores, recalled_attention, in that order). build=True builds
     and registers the ones not used yet (seconds the first time, then cached), so that `active` is the answer
