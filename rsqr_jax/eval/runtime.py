@@ -167,12 +167,21 @@ def write_json_atomic(path, obj: dict) -> None:
 @contextlib.contextmanager
 def sigterm_interrupts():
     """Inside the block SIGTERM raises KeyboardInterrupt, so a killed run unwinds like Ctrl-C and keeps
-    what it finished; the previous handler comes back afterwards."""
+    what it finished; the previous handler comes back afterwards. The block gets a check to call once per unit of
+    work: it raises KeyboardInterrupt if SIGTERM came and its own raise was lost (a signal that lands in a
+    garbage-collection callback, such as jax's, has its exception printed and ignored)."""
+    received = []
+
     def on_term(signum, frame):
+        received.append(signum)
         raise KeyboardInterrupt
+
+    def check():
+        if received:
+            raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        yield
+        yield check
     finally:
         signal.signal(signal.SIGTERM, old)

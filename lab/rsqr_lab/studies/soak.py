@@ -296,8 +296,9 @@ def run(config: SoakConfig, apply_fn, params, model_config, tokenizer, *, meta: 
     t_loop = time.perf_counter()
     done = 0
     try:
-        with sigterm_interrupts(), progress(T, "soak", enabled=config.progress) as bar:
+        with sigterm_interrupts() as terminated, progress(T, "soak", enabled=config.progress) as bar:
             for t in range(T):
+                terminated()
                 tok, tgt = np.asarray([[stream[t]]], np.int32), stream[t + 1]
                 c0, t0 = time.process_time(), time.perf_counter()
                 vals, ok = [], True
